@@ -1,0 +1,14 @@
+"""kvsentry engine: paged KV cache, continuous batching, DP/EP ranks, NaN sentinel."""
+from engine.config import NULL_BLOCK_ID, PAD_SLOT_ID, EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the models; import it lazily so light users stay light.
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "PAD_SLOT_ID", "NULL_BLOCK_ID"]

@@ -1,0 +1,96 @@
+"""Paged attention over the block-table KV cache (torch, any device).
+
+Reads K/V through each request's block table, the way real kernels do:
+unused table entries point at the null block (block 0) and positions past a
+sequence's length are masked with a zero weight *after* being read. So a NaN
+planted in block 0 propagates (0 x NaN = NaN) -- deliberately: the sentinel,
+not the attention, is what guards the null block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs every attention layer reads; built by the batch builder."""
+    num_reqs: int                    # real requests in the step (0 for a dummy batch)
+    num_tokens: int                  # real tokens in the step
+    num_padded_tokens: int           # tokens the model runs on (>= num_tokens)
+    slot_mapping: torch.Tensor       # [num_padded_tokens] int64, PAD_SLOT_ID past the real tokens
+    query_start_loc: torch.Tensor    # [num_reqs + 1] int64 offsets of each request's query tokens
+    seq_lens: torch.Tensor           # [num_reqs] int64 KV length after this step's tokens
+    block_tables: torch.Tensor       # [num_reqs, max_blocks_per_req] int32, 0 = null block
+    query_start_loc_cpu: list[int]   # same as query_start_loc, as Python ints
+    seq_lens_cpu: list[int]
+    max_seq_len: int
+    decode_only: bool                # every real request has exactly one query token
+
+
+def gather_kv(cache: torch.Tensor,         # [num_blocks, block_size, *rest]
+              block_tables: torch.Tensor,  # [num_reqs, num_blocks_read]
+              ) -> torch.Tensor:           # [num_reqs, num_blocks_read * block_size, *rest]
+    num_reqs, num_read = block_tables.shape
+    gathered = cache.index_select(0, block_tables.reshape(-1).long())
+    return gathered.view(num_reqs, num_read * cache.shape[1], *cache.shape[2:])
+
+
+def _attend(q: torch.Tensor,      # [B, Hq, Lq, D]
+            k: torch.Tensor,      # [B, Hq, Lk, D]
+            v: torch.Tensor,      # [B, Hq, Lk, Dv]
+            allowed: torch.Tensor,  # [B, 1, Lq, Lk] bool
+            scale: float) -> torch.Tensor:  # [B, Hq, Lq, Dv]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, head_dim]
+                    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, v_head_dim]
+                    meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:  # [num_padded_tokens, num_heads, v_head_dim]
+    """Causal attention of each request's new tokens over its whole cached sequence.
+
+    Must run after this step's K/V were written, so a request's own new tokens
+    are in the cache too (prefill with a cached prefix and decode are one case).
+    """
+    num_heads = query.shape[1]
+    out = query.new_zeros(query.shape[0], num_heads, value_cache.shape[-1])
+    if meta.num_reqs == 0:
+        return out
+    block_size = key_cache.shape[1]
+    group = num_heads // key_cache.shape[2]
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    if meta.decode_only:
+        num_read = -(-meta.max_seq_len // block_size)
+        tables = meta.block_tables[:meta.num_reqs, :num_read]
+        k = gather_kv(key_cache, tables).transpose(1, 2)  # [B, Hkv, L, D]
+        v = gather_kv(value_cache, tables).transpose(1, 2)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        q = query[:meta.num_reqs].unsqueeze(2)  # [B, H, 1, D]
+        positions = torch.arange(k.shape[2], device=query.device)
+        allowed = (positions[None, :] < meta.seq_lens[:meta.num_reqs, None]).view(meta.num_reqs, 1, 1, -1)
+        out[:meta.num_reqs] = _attend(q, k, v, allowed, scale).squeeze(2)
+        return out
+    for i in range(meta.num_reqs):
+        q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
+        num_new = q_end - q_start
+        num_read = -(-seq_len // block_size)
+        table = meta.block_tables[i:i + 1, :num_read]
+        k = gather_kv(key_cache, table).transpose(1, 2)  # [1, Hkv, L, D]
+        v = gather_kv(value_cache, table).transpose(1, 2)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
+        k_pos = torch.arange(k.shape[2], device=query.device)
+        allowed = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, -1)
+        out[q_start:q_end] = _attend(q, k, v, allowed, scale)[0].transpose(0, 1)
+    return out

@@ -1,0 +1,124 @@
+"""Turns a SchedulerOutput into the step's tensors, in persistent buffers.
+
+Safety rule (DESIGN.md): every position past the real tokens -- the *whole*
+rest of the slot buffer, not just up to the padded count -- is refilled with
+PAD_SLOT_ID each step, and every block-table row past the real requests is
+zeroed with length 0. A dummy batch is the degenerate case: no real tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import PAD_SLOT_ID, EngineConfig
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor        # [num_padded_tokens]
+    positions: torch.Tensor        # [num_padded_tokens]
+    meta: AttentionMetadata
+    logits_indices: list[int]      # per scheduled request: the token whose logits sample (or -1)
+    inputs_embeds: torch.Tensor | None = None  # only the legacy (broken) dummy batch sets it
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.meta.num_reqs == 0
+
+
+class BatchBuilder:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.block_size = config.block_size
+        # Persistent CPU buffers; the step views prefixes of them.
+        max_tokens = config.padded_num_tokens(config.max_num_batched_tokens)
+        self.max_tokens = max_tokens
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64)
+        self.slot_mapping = torch.full((max_tokens,), PAD_SLOT_ID, dtype=torch.int64)
+        self.block_tables = torch.zeros(config.max_num_seqs, config.max_blocks_per_seq, dtype=torch.int32)
+        self.seq_lens = torch.zeros(config.max_num_seqs, dtype=torch.int64)
+        self.query_start_loc = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64)
+        self._np_ids, self._np_pos, self._np_slots = self.input_ids.numpy(), self.positions.numpy(), self.slot_mapping.numpy()
+        self._np_tables = self.block_tables.numpy()
+        # The old, broken dummy batch read its slots from a zero-initialised buffer that was
+        # never refilled; kept only so tests (and fault injection) can reproduce the failure.
+        self._legacy_slot_mapping = torch.zeros(max_tokens, dtype=torch.int64)
+        self._generator = torch.Generator().manual_seed(config.seed + config.parallel.data_parallel_rank)
+
+    def build(self, sched: SchedulerOutput, num_padded: int | None = None) -> StepBatch:
+        num_reqs, num_tokens = sched.num_reqs, sched.num_tokens
+        if num_padded is None:
+            num_padded = self.config.padded_num_tokens(num_tokens)
+        assert num_tokens <= num_padded <= self.max_tokens
+        bs = self.block_size
+        starts, seq_lens, logits_indices = [0], [], []
+        offset = 0
+        for row, (request, num_new) in enumerate(sched.scheduled):
+            start = request.num_computed_tokens
+            end = start + num_new
+            positions = np.arange(start, end)
+            self._np_ids[offset:offset + num_new] = request.all_token_ids[start:end]
+            self._np_pos[offset:offset + num_new] = positions
+            blocks = np.asarray(request.block_ids, dtype=np.int64)
+            self._np_slots[offset:offset + num_new] = blocks[positions // bs] * bs + positions % bs
+            table = self._np_tables[row]
+            table[:len(blocks)] = blocks
+            table[len(blocks):] = 0
+            offset += num_new
+            starts.append(offset)
+            seq_lens.append(end)
+            logits_indices.append(offset - 1 if end == request.num_tokens else -1)
+        # Padding: the whole remainder of every buffer, so nothing stale survives.
+        self._np_ids[num_tokens:] = 0
+        self._np_pos[num_tokens:] = 0
+        self._np_slots[num_tokens:] = PAD_SLOT_ID
+        self._np_tables[num_reqs:] = 0
+        self.seq_lens[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int64)
+        self.seq_lens[num_reqs:] = 0
+        self.query_start_loc[:num_reqs + 1] = torch.tensor(starts, dtype=torch.int64)
+        self.query_start_loc[num_reqs + 1:] = num_tokens
+        decode_only = num_reqs > 0 and num_tokens == num_reqs
+        return self._batch(num_reqs, num_tokens, num_padded, starts, seq_lens, logits_indices,
+                           decode_only, self.slot_mapping)
+
+    def build_dummy(self, num_padded: int) -> StepBatch:
+        """A batch of `num_padded` tokens that writes nothing: all slots PAD_SLOT_ID, tables 0."""
+        assert 1 <= num_padded <= self.max_tokens
+        unsafe = self.config.parallel.unsafe_legacy_dummy_batch
+        if self.config.parallel.dummy_batch_random_inputs:
+            self.input_ids[:num_padded].random_(0, self.config.model.vocab_size, generator=self._generator)
+        else:
+            self._np_ids[:] = 0
+        self._np_pos[:] = 0
+        self._np_slots[:] = PAD_SLOT_ID
+        self._np_tables[:] = 0
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+        batch = self._batch(0, 0, num_padded, [0], [], [], False,
+                            self._legacy_slot_mapping if unsafe else self.slot_mapping)
+        if unsafe:
+            # Uninitialised activations: what an unfilled dummy buffer can hold.
+            batch.inputs_embeds = torch.full((num_padded, self.config.model.hidden_size), float("nan"),
+                                             dtype=self.config.model.dtype)
+        return batch
+
+    def _batch(self, num_reqs: int, num_tokens: int, num_padded: int, starts: list[int],
+               seq_lens: list[int], logits_indices: list[int], decode_only: bool,
+               slot_buffer: torch.Tensor) -> StepBatch:
+        device = self.config.device
+        meta = AttentionMetadata(
+            num_reqs=num_reqs, num_tokens=num_tokens, num_padded_tokens=num_padded,
+            slot_mapping=slot_buffer[:num_padded].to(device, non_blocking=True),
+            query_start_loc=self.query_start_loc[:num_reqs + 1].to(device, non_blocking=True),
+            seq_lens=self.seq_lens[:num_reqs].to(device, non_blocking=True),
+            block_tables=self.block_tables[:max(num_reqs, 1)].to(device, non_blocking=True),
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens, default=0), decode_only=decode_only)
+        return StepBatch(input_ids=self.input_ids[:num_padded].to(device, non_blocking=True),
+                         positions=self.positions[:num_padded].to(device, non_blocking=True),
+                         meta=meta, logits_indices=logits_indices)

@@ -1,0 +1,231 @@
+"""One validated, immutable engine configuration, built once and passed down.
+
+`EngineConfig.create(model=..., **engine_args)` is the only constructor the rest
+of the code uses; nothing rewrites a config after it is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAD_SLOT_ID = -1
+NULL_BLOCK_ID = 0
+
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def parse_memory(value: int | float | str) -> int:
+    """'4GiB', '512MiB', '2G', '1e9' or a number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", value)
+    if not match:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (try '2GiB' or a byte count)")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(number * scale)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a Hugging Face config.json the engine uses."""
+    path: str
+    architecture: str
+    hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    # MLA (DeepSeek V2/V3): the cache holds one latent vector per token.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    num_experts: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.hf_config.get(key, default)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "float32") -> "ModelConfig":
+        root = Path(path)
+        config_file = root / "config.json"
+        if not root.is_dir():
+            raise FileNotFoundError(f"model directory not found: {root}")
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model directory {root} has no config.json")
+        hf = json.loads(config_file.read_text())
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} in {config_file}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf["num_attention_heads"]
+        kv_lora_rank = hf.get("kv_lora_rank") or 0 if arch.startswith("Deepseek") else 0
+        num_experts = (hf.get("num_local_experts") or hf.get("num_experts")
+                       or hf.get("n_routed_experts") or 0) if arch in MOE_ARCHITECTURES else 0
+        if kv_lora_rank:
+            head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+            num_kv_heads = 1
+        else:
+            head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+            num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        return cls(
+            path=str(root), architecture=arch, hf_config=hf,
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=parse_dtype(dtype), kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=hf.get("qk_rope_head_dim", 0) if kv_lora_rank else 0,
+            num_experts=num_experts,
+        )
+
+    def kv_bytes_per_token_per_layer(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.is_mla:
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * elem
+        return 2 * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_size_local: int = 1
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    # Dummy-batch inputs: token 0 everywhere, or random ids that spread tokens over experts.
+    dummy_batch_random_inputs: bool = False
+    # Test-only: build dummy batches the old broken way (zero slots, NaN hidden states).
+    unsafe_legacy_dummy_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size: must be >= 1")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError("data_parallel_rank: must be in [0, data_parallel_size)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_blocks: int = 0  # derived from kv_cache_memory unless given
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    seed: int = 0
+    # Token counts a step is padded up to (like CUDA-graph capture sizes).
+    pad_buckets: tuple[int, ...] = ()
+    nan_sentinel: str = "rolling"  # off | null-block | rolling | full
+    nan_scan_blocks_per_step: int = 64
+    nan_policy: str = "count"  # count | heal | fail
+    num_threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        for bucket in self.pad_buckets:
+            if num_tokens <= bucket:
+                return bucket
+        return num_tokens
+
+    @classmethod
+    def create(cls, model: str, *, dtype: str = "float32", kv_cache_memory: int | str = "1GiB",
+               num_gpu_blocks: int | None = None, max_model_len: int | None = None,
+               data_parallel_size: int = 1, data_parallel_rank: int = 0,
+               data_parallel_size_local: int | None = None, data_parallel_start_rank: int = 0,
+               data_parallel_address: str = "127.0.0.1", data_parallel_rpc_port: int = 29550,
+               dummy_batch_random_inputs: bool = False, unsafe_legacy_dummy_batch: bool = False,
+               **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)} - {"model", "parallel", "num_blocks"}
+        for key in kwargs:
+            if key not in known:
+                raise ValueError(f"{key}: unknown engine argument")
+        model_config = ModelConfig.from_pretrained(model, dtype)
+        limit = model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 4096)
+        if not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {max_model_len}")
+        block_size = kwargs.get("block_size", 16)
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {block_size}")
+        max_num_batched_tokens = kwargs.get("max_num_batched_tokens", 2048)
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be >= 1")
+        if kwargs.get("max_num_seqs", 64) < 1:
+            raise ValueError("max_num_seqs: must be >= 1")
+        if kwargs.get("nan_sentinel", "rolling") not in ("off", "null-block", "rolling", "full"):
+            raise ValueError("nan_sentinel: must be one of off, null-block, rolling, full")
+        if kwargs.get("nan_policy", "count") not in ("count", "heal", "fail"):
+            raise ValueError("nan_policy: must be one of count, heal, fail")
+        if num_gpu_blocks is None:
+            per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
+                         * model_config.num_layers)
+            num_gpu_blocks = parse_memory(kv_cache_memory) // per_block
+        if num_gpu_blocks < 2:
+            raise ValueError("kv_cache_memory: budget leaves fewer than 2 KV blocks "
+                             "(block 0 is reserved as the null block)")
+        if "pad_buckets" not in kwargs:
+            buckets = [1, 2, 4, 8]
+            while buckets[-1] < max_num_batched_tokens:
+                buckets.append(buckets[-1] * 2 if buckets[-1] < 512 else buckets[-1] + 512)
+            kwargs["pad_buckets"] = tuple(buckets)
+        local = data_parallel_size_local if data_parallel_size_local is not None else data_parallel_size
+        parallel = ParallelConfig(
+            data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
+            data_parallel_size_local=local, data_parallel_start_rank=data_parallel_start_rank,
+            data_parallel_address=data_parallel_address, data_parallel_rpc_port=data_parallel_rpc_port,
+            dummy_batch_random_inputs=dummy_batch_random_inputs,
+            unsafe_legacy_dummy_batch=unsafe_legacy_dummy_batch)
+        return cls(model=model_config, parallel=parallel, max_model_len=max_model_len,
+                   num_blocks=num_gpu_blocks, **kwargs)
+
+    def for_rank(self, rank: int) -> "EngineConfig":
+        """The same configuration as seen by DP rank `rank` (a new object, not a mutation)."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, data_parallel_rank=rank))

@@ -1,0 +1,148 @@
+"""One rank's engine: scheduler + model runner, stepped by `step()`.
+
+Works on token ids only; detokenization and stop strings live in the front end
+(engine/output_processor.py), which aborts a request when it sees a stop string.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.messages import EngineCoreOutput, EngineRequest, StepStats
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.rank = config.parallel.data_parallel_rank
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(config)
+        self.steps = 0
+        self.dummy_batches = 0
+        self.padded_tokens = 0
+        self.corrupted_requests = 0
+        self._pending: list[EngineCoreOutput] = []  # outputs produced outside step() (aborts)
+
+    # -- requests -------------------------------------------------------------------------
+    def validate(self, request: EngineRequest) -> None:
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if num_prompt >= self.config.max_model_len:
+            raise ValueError(f"prompt: {num_prompt} tokens leave no room to generate within "
+                             f"max_model_len={self.config.max_model_len}")
+        vocab = self.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.validate(request)
+        first = None
+        for index in range(request.params.n):
+            r = Request(request.request_id, index, request.prompt_token_ids, request.params,
+                        request.eos_token_id, request.arrival_time or time.time(), wait_for=first)
+            first = first or r
+            self.scheduler.add(r)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            for request in self.scheduler.abort(request_id):
+                self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
+                                                      finish_reason="abort"))
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- stepping ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def step(self, sched: SchedulerOutput | None = None, num_padded: int | None = None) -> list[EngineCoreOutput]:
+        """Run one step. `num_padded` (DP lockstep) pads the batch to the group's token count."""
+        if sched is None:
+            sched = self.schedule()
+        outputs, self._pending = self._pending, []
+        self.steps += 1
+        if sched.num_reqs == 0:
+            if num_padded:
+                self.dummy_batches += 1
+                self.padded_tokens += num_padded
+                self.runner.run_dummy(num_padded)
+            return outputs
+        num_padded = num_padded or self.config.padded_num_tokens(sched.num_tokens)
+        self.padded_tokens += num_padded - sched.num_tokens
+        result = self.runner.execute(sched, num_padded)
+        return outputs + self._update(sched, result)
+
+    def run_dummy(self, num_padded: int) -> None:
+        self.steps += 1
+        self.dummy_batches += 1
+        self.padded_tokens += num_padded
+        self.runner.run_dummy(num_padded)
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        max_len = self.config.max_model_len
+        for request, num_new in sched.scheduled:
+            first_chunk = request.num_computed_tokens == 0
+            request.num_computed_tokens += num_new
+            self.scheduler.kv.cache_computed_blocks(request)
+            prompt_lps = result.prompt_logprobs.get(request.key)
+            token = result.sampled.get(request.key)
+            if token is None:
+                if prompt_lps:
+                    outputs.append(EngineCoreOutput(request.request_id, request.index, [],
+                                                    prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps)))
+                continue
+            request.all_token_ids.append(token)
+            lp = result.logprobs.get(request.key)
+            out = EngineCoreOutput(request.request_id, request.index, [token],
+                                   new_logprobs=[lp] if lp is not None else None,
+                                   prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps) if prompt_lps else None,
+                                   num_cached_tokens=max(request.num_cached_tokens, 0))
+            reason, stop_reason = self._check_stop(request, token, max_len)
+            if request.key in result.nan_logits:
+                self.corrupted_requests += 1
+                if self.config.nan_policy in ("heal", "fail"):
+                    reason, stop_reason = "error", "non-finite logits"
+            if reason is not None:
+                self.scheduler.finish(request, reason, stop_reason)
+                out.finish_reason, out.stop_reason = reason, stop_reason
+            outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def _prompt_lp_list(first_chunk: bool, entries):
+        # The first chunk carries a leading None: the first prompt token has no logprob.
+        return [None] + entries if first_chunk else entries
+
+    @staticmethod
+    def _check_stop(request: Request, token: int, max_len: int) -> tuple[str | None, int | None]:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+            return "length", None
+        return None, None
+
+    def stats(self) -> StepStats:
+        kv = self.scheduler.kv
+        return StepStats(
+            rank=self.rank, steps=self.steps, dummy_batches=self.dummy_batches,
+            padded_tokens=self.padded_tokens, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), kv_usage=kv.pool.usage,
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            preemptions=self.scheduler.num_preemptions,
+            null_block_writes=int(self.runner.null_block_writes.item()),
+            corrupted_requests=self.corrupted_requests)

@@ -1,0 +1,89 @@
+"""Typed messages that cross process boundaries (front end <-> DP ranks).
+
+msgspec Structs: encoded with msgpack on the wire, validated on decode.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    wave: int = 0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N (token id, logprob), best first
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    request_id: str           # the id the client used (n > 1 children share it)
+    index: int                # which of the n samples
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Wake(msgspec.Struct, tag=True):
+    """Starts wave `wave` on an idle rank (ignored when that wave already ended)."""
+    wave: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Fault(msgspec.Struct, tag=True):
+    """Operator fault injection (only honoured with --enable-fault-injection)."""
+    kind: str  # "nan" | "inf" | "legacy_dummy"
+    layer: int = 0
+    block: int = 0
+    target: str = "k"  # k | v | latent
+
+
+EngineInput = EngineRequest | Abort | Wake | Shutdown | Fault
+
+
+class StepStats(msgspec.Struct, array_like=True):
+    """Per-rank counters and gauges, shipped with every batch of outputs."""
+    rank: int
+    steps: int
+    dummy_batches: int
+    padded_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    null_block_writes: int
+    nan_values: list[tuple[int, str, int]] = []  # (layer, region, count) at the last scan
+    nan_detections: list[tuple[str, int]] = []   # (region, total)
+    corrupted_requests: int = 0
+    heals: int = 0
+    scan_seconds: list[float] = []
+    scan_coverage_steps: int = 0
+    nan_policy_tripped: bool = False
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    rank: int
+    outputs: list[EngineCoreOutput]
+    stats: StepStats | None = None
+    wave_complete: int | None = None   # set by rank 0 when a wave ends
+    start_wave: int | None = None      # a rank got a request for an ended wave

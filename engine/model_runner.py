@@ -1,0 +1,84 @@
+"""Runs one step of the model over the paged cache and samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch_builder import BatchBuilder, StepBatch
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_cache
+from engine.loader import load_model
+from engine.messages import TokenLogprob
+from engine.models.layers import StepContext
+from engine.request import Request
+from engine.sampler import Sampler, token_logprobs
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)                 # request key -> token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    nan_logits: set[str] = field(default_factory=set)                      # request keys
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = load_model(config)
+        self.kv_caches = allocate_kv_cache(config)
+        self.builder = BatchBuilder(config)
+        self.sampler = Sampler(config.seed)
+        # Device-side count of cache writes whose slot fell in the null block.
+        self.null_block_writes = torch.zeros(1, dtype=torch.int64, device=config.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]
+        ctx = StepContext(meta=batch.meta, kv_caches=self.kv_caches, null_block_writes=self.null_block_writes)
+        return self.model(batch.input_ids, batch.positions, ctx, batch.inputs_embeds)
+
+    def run_dummy(self, num_padded: int) -> None:
+        self.forward(self.builder.build_dummy(num_padded))
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, num_padded: int | None = None) -> RunnerOutput:
+        batch = self.builder.build(sched, num_padded)
+        hidden = self.forward(batch)
+        out = RunnerOutput()
+        requests = [r for r, _ in sched.scheduled]
+        sample_rows = [i for i, idx in enumerate(batch.logits_indices) if idx >= 0]
+        if sample_rows:
+            index = torch.tensor([batch.logits_indices[i] for i in sample_rows], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampling, vocab]
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            to_sample = [requests[i] for i in sample_rows]
+            tokens, logprobs = self.sampler.sample(logits, to_sample)
+            for request, token, lp, ok in zip(to_sample, tokens, logprobs, finite):
+                out.sampled[request.key] = token
+                if lp is not None:
+                    out.logprobs[request.key] = lp
+                if not ok:
+                    out.nan_logits.add(request.key)
+        self._prompt_logprobs(sched, batch, hidden, out)
+        return out
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
+                         out: RunnerOutput) -> None:
+        """Logprob of each scheduled prompt token given the ones before it (teacher forcing)."""
+        starts = batch.meta.query_start_loc_cpu
+        for row, (request, num_new) in enumerate(sched.scheduled):
+            num_top = request.params.prompt_logprobs
+            first = request.num_computed_tokens
+            if num_top is None or first >= request.num_prompt_tokens:
+                continue
+            # Token t (t >= 1) is predicted by position t - 1; this chunk covers positions
+            # [first, first + num_new) so it predicts prompt tokens [first + 1, first + num_new].
+            last = min(first + num_new, request.num_prompt_tokens - 1)
+            if last <= first:
+                continue
+            rows = hidden[starts[row]:starts[row] + (last - first)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            targets = request.all_token_ids[first + 1:last + 1]
+            out.prompt_logprobs[request.key] = token_logprobs(logprobs, targets, num_top)

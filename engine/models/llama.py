@@ -1,0 +1,127 @@
+"""Dense decoders: Llama, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
+
+Modules carry the Hugging Face names so checkpoint keys map onto parameters 1:1.
+Tokens are flattened across requests: every tensor is [num_tokens, ...].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import paged_attention
+from engine.config import EngineConfig
+from engine.kv_writer import write_kv
+from engine.models.layers import RMSNorm, RotaryEmbedding, SiluMLP, StepContext, rope_parameters
+
+
+class Attention(nn.Module):
+    def __init__(self, config: EngineConfig, layer_index: int):
+        super().__init__()
+        mc = config.model
+        hf = mc.hf_config
+        arch = mc.architecture
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        bias = arch == "Qwen2ForCausalLM" or arch == "Qwen2MoeForCausalLM" or bool(hf.get("attention_bias", False))
+        hidden = mc.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bool(hf.get("attention_bias", False)) and arch.startswith("Llama"))
+        self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
+            self.k_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_model_len, rope_parameters(hf))
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, ctx.null_block_writes)
+        out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: EngineConfig, layer_index: int, mlp: nn.Module | None = None):
+        super().__init__()
+        hf = config.model.hf_config
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = mlp if mlp is not None else SiluMLP(config.model.hidden_size, hf["intermediate_size"])
+        self.input_layernorm = RMSNorm(config.model.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.model.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, a stack of layers and the final norm; `make_layer` picks each layer's kind."""
+
+    def __init__(self, config: EngineConfig, make_layer):
+        super().__init__()
+        mc = config.model
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            hidden = layer(positions, hidden, ctx)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """`model.*` + `lm_head`, the shape every supported architecture shares."""
+
+    def __init__(self, config: EngineConfig, make_layer=DecoderLayer):
+        super().__init__()
+        mc = config.model
+        self.config = config
+        self.model = DecoderModel(config, make_layer)
+        self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        if mc.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx, inputs_embeds)  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [num_tokens, vocab]
+
+    def wants_weight(self, name: str) -> bool:
+        """Whether this rank loads checkpoint tensor `name` (MoE ranks skip others' experts)."""
+        return not (name == "lm_head.weight" and self.config.model.tie_word_embeddings)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        params = self._params()
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                             f"{self.config.model.architecture}")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+
+    def expected_weights(self) -> set[str]:
+        return {n for n in self.state_dict() if self.wants_weight(n)}
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        if not hasattr(self, "_param_cache"):
+            self._param_cache = dict(self.named_parameters(remove_duplicate=False))
+            self._param_cache.update(dict(self.named_buffers()))
+        return self._param_cache

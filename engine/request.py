@@ -1,0 +1,71 @@
+"""A request as the scheduler sees it: it owns its KV bookkeeping."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, eos_token_id: int | None, arrival_time: float,
+                 wait_for: "Request | None" = None):
+        self.request_id = request_id            # the client's id (shared by n > 1 samples)
+        self.index = index                      # which sample
+        self.key = f"{request_id}#{index}"      # unique inside the engine
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0           # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []         # the block table
+        self.num_hashed_blocks = 0             # leading full blocks registered in the prefix cache
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1            # prefix-cache hit at first schedule
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Sibling samples (n > 1) wait until the first one's prompt is cached, then share it.
+        self.wait_for = wait_for
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def ready(self) -> bool:
+        sibling = self.wait_for
+        return sibling is None or sibling.is_finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.key}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_ids}, {self.status.value})")

@@ -1,0 +1,106 @@
+"""Sampling: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+Greedy rows take an argmax; random rows use the exponential-race trick
+(argmax(p / q), q ~ Exp(1)), drawn from the request's own generator when it
+has a seed, so a seeded request samples the same tokens alone or in any batch.
+Logprobs are those of the raw model distribution (before penalties and
+temperature), as vLLM reports them by default.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.messages import TokenLogprob
+from engine.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> None:
+    params = request.params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.int64, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        output = request.output_token_ids
+        if output:
+            ids = torch.tensor(output, dtype=torch.int64, device=logits.device)
+            counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones(len(output), device=logits.device))
+            logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def _mask_for_min_tokens(logits: torch.Tensor, request: Request) -> None:
+    params = request.params
+    if request.num_output_tokens < params.min_tokens:
+        banned = list(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            banned.append(request.eos_token_id)
+        banned = [t for t in banned if t < logits.shape[-1]]
+        if banned:
+            logits[banned] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, as probabilities."""
+    params = request.params
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop_sorted = cumulative - sorted_probs > params.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
+def token_logprobs(logprobs: torch.Tensor,  # [num, vocab] float32 log-softmax
+                   token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).view(-1, 1)).view(-1).tolist()
+    if num_top > 0:
+        top_values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    else:
+        top_values = top_ids = [[] for _ in token_ids]
+    return [TokenLogprob(t, lp, list(zip(ids, values)))
+            for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor,  # [num_reqs, vocab] rows of the requests that sample
+               requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        logits = logits.float().cpu()
+        want_logprobs = [r.params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        processed = logits
+        special = [i for i, r in enumerate(requests)
+                   if r.params.uses_penalties or r.num_output_tokens < r.params.min_tokens]
+        if special:
+            processed = logits.clone()
+            for i in special:
+                apply_penalties(processed[i], requests[i])
+                _mask_for_min_tokens(processed[i], requests[i])
+        tokens = processed.argmax(dim=-1).tolist()
+        for i, request in enumerate(requests):
+            if request.params.greedy:
+                continue
+            probs = _filter(processed[i], request)
+            race = torch.empty_like(probs).exponential_(generator=request.generator or self.generator)
+            tokens[i] = int((probs / race).argmax())
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            rows = [i for i, want in enumerate(want_logprobs) if want]
+            num_top = max(requests[i].params.logprobs for i in rows)
+            entries = token_logprobs(raw_logprobs[rows], [tokens[i] for i in rows], num_top)
+            for i, entry in zip(rows, entries):
+                entry.top = entry.top[:requests[i].params.logprobs]
+                logprobs[i] = entry
+        return tokens, logprobs

@@ -1,0 +1,128 @@
+"""Continuous batching without prefill/decode phases.
+
+Each request only has "computed tokens"; every step gives each running request
+the tokens it still needs (a whole prompt, a prompt chunk, or the one token
+sampled last step) within the token and sequence budgets, FCFS. When blocks run
+out the newest running request is preempted (its blocks freed, recomputed
+later from the front of the queue).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.key] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+        scheduled_running: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          max_len - request.num_computed_tokens)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled_running.append(request)
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing more fits this step
+
+        if not out.preempted:
+            skipped: list[Request] = []
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                if not request.ready:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                computed = (self.kv.get_computed_blocks(request)
+                            if request.num_computed_tokens == 0 and request.params.prompt_logprobs is None else [])
+                num_cached = len(computed) * self.config.block_size
+                num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(request, num_new, computed):
+                    break
+                self.waiting.popleft()
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if request.is_finished:
+            return
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request)
+        self.requests.pop(request.key, None)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort every sample of client request `request_id`; returns the aborted ones."""
+        aborted = [r for r in self.requests.values() if r.request_id == request_id]
+        for request in aborted:
+            self.finish(request, "abort")
+        return aborted
