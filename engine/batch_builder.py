@@ -48,6 +48,7 @@ class BatchBuilder:
         # The old, broken dummy batch read its slots from a zero-initialised buffer that was
         # never refilled; kept only so tests (and fault injection) can reproduce the failure.
         self._legacy_slot_mapping = torch.zeros(max_tokens, dtype=torch.int64)
+        self.legacy_next_dummy = False  # fault injection: build the next dummy batch the broken way
         self._generator = torch.Generator().manual_seed(config.seed + config.parallel.data_parallel_rank)
 
     def build(self, sched: SchedulerOutput, num_padded: int | None = None) -> StepBatch:
@@ -89,7 +90,8 @@ class BatchBuilder:
     def build_dummy(self, num_padded: int) -> StepBatch:
         """A batch of `num_padded` tokens that writes nothing: all slots PAD_SLOT_ID, tables 0."""
         assert 1 <= num_padded <= self.max_tokens
-        unsafe = self.config.parallel.unsafe_legacy_dummy_batch
+        unsafe = self.config.parallel.unsafe_legacy_dummy_batch or self.legacy_next_dummy
+        self.legacy_next_dummy = False
         if self.config.parallel.dummy_batch_random_inputs:
             self.input_ids[:num_padded].random_(0, self.config.model.vocab_size, generator=self._generator)
         else:

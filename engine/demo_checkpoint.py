@@ -28,7 +28,6 @@ import copy
 import functools
 import hashlib
 import json
-import math
 import os
 import pathlib
 import random
@@ -350,8 +349,7 @@ def build_config(architecture: str = "LlamaForCausalLM", *, init_scale: float = 
         cfg["rope_theta"] = float(overrides["rope_parameters"]["rope_theta"])
 
     if arch.family == "mla":
-        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        if "num_key_value_heads" not in overrides:
+        if "num_key_value_heads" not in overrides:  # MLA: one latent, every head reads it
             cfg["num_key_value_heads"] = cfg["num_attention_heads"]
         cfg.pop("head_dim", None)  # transformers derives it (= qk_rope_head_dim)
     elif arch.derive_head_dim and "head_dim" not in overrides:
@@ -372,9 +370,11 @@ def build_config(architecture: str = "LlamaForCausalLM", *, init_scale: float = 
         if cfg.get("topk_method") == "noaux_tc" and n_exp // n_group < 2:
             raise ValueError("noaux_tc scores a group by its top-2 experts: "
                              "need >= 2 experts per group")
+        if (cfg.get("moe_layer_freq") or 1) != 1:
+            raise ValueError("moe_layer_freq != 1 is not supported by transformers' DeepSeek models")
         if architecture == "DeepseekV2ForCausalLM" and cfg["hidden_size"] % cfg["num_attention_heads"]:
             raise ValueError("transformers requires hidden_size % num_attention_heads == 0 for V2")
-    if arch.model_type == "qwen2" or arch.model_type == "qwen2_moe" or arch.model_type.startswith("qwen3"):
+    if arch.model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
 
     rope = _rope_parameters(cfg, overrides)
@@ -406,7 +406,7 @@ _Spec = tuple  # (name, shape, kind)
 
 
 def _is_moe_layer(cfg: dict, moe: str | None, i: int) -> bool:
-    if moe in (None,):
+    if moe is None:
         return False
     if moe == "mixtral":
         return True
@@ -414,7 +414,7 @@ def _is_moe_layer(cfg: dict, moe: str | None, i: int) -> bool:
         return (i not in (cfg.get("mlp_only_layers") or [])
                 and cfg["num_experts"] > 0 and (i + 1) % cfg["decoder_sparse_step"] == 0)
     if moe == "deepseek":
-        return i >= cfg["first_k_dense_replace"] and i % (cfg.get("moe_layer_freq") or 1) == 0
+        return i >= cfg["first_k_dense_replace"]
     raise AssertionError(moe)
 
 

@@ -57,6 +57,14 @@ class EngineCore:
                 self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
                                                       finish_reason="abort"))
 
+    def take_pending(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def inject_fault(self, fault) -> None:
+        from engine.faults import inject
+        inject(self.runner, fault)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -69,7 +77,7 @@ class EngineCore:
         """Run one step. `num_padded` (DP lockstep) pads the batch to the group's token count."""
         if sched is None:
             sched = self.schedule()
-        outputs, self._pending = self._pending, []
+        outputs = self.take_pending()
         self.steps += 1
         if sched.num_reqs == 0:
             if num_padded:

@@ -81,9 +81,23 @@ class StepStats(msgspec.Struct, array_like=True):
     nan_policy_tripped: bool = False
 
 
+class RankReady(msgspec.Struct, tag=True):
+    rank: int
+    num_blocks: int
+    pid: int
+
+
+class RankFailed(msgspec.Struct, tag=True):
+    rank: int
+    reason: str
+
+
 class EngineOutputs(msgspec.Struct, tag=True):
     rank: int
     outputs: list[EngineCoreOutput]
     stats: StepStats | None = None
     wave_complete: int | None = None   # set by rank 0 when a wave ends
     start_wave: int | None = None      # a rank got a request for an ended wave
+
+
+EngineMessage = EngineOutputs | RankReady | RankFailed

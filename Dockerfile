@@ -1,0 +1,87 @@
+# syntax=docker/dockerfile:1
+# kvsentry image. CPU by default; CUDA with a build argument:
+#
+#   docker build -t kvsentry:0.1.0-cpu .
+#   docker build -t kvsentry:0.1.0-cuda --build-arg DEVICE=cuda .
+#
+# DEVICE picks the base images (Debian python slim, or NVIDIA's CUDA images with
+# Ubuntu's python3.11) and the PyTorch wheel index (cpu, or TORCH_CUDA). BuildKit
+# builds only the stages the chosen DEVICE needs.
+#
+# Runs as uid 10001 with a read-only root filesystem in mind: the only paths it
+# writes are KVSENTRY_CACHE_DIR (/var/cache/kvsentry: the built-in demo
+# checkpoint, compiler and kernel caches) and /tmp. Mount writable volumes
+# there (deploy/k8s does, with emptyDirs).
+
+ARG DEVICE=cpu
+# Pinned by digest; the tag says what it is. Refresh both together.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
+ARG CUDA_VERSION=12.8.1
+ARG TORCH_VERSION=2.13.0
+
+# ---- base images, one pair per DEVICE ------------------------------------------
+FROM ${PYTHON_IMAGE} AS build-cpu
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+FROM ${PYTHON_IMAGE} AS run-cpu
+
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu22.04 AS build-cuda
+# The wheel index must match CUDA_VERSION (cu128 = CUDA 12.8).
+ARG TORCH_CUDA=cu128
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA}
+# Ubuntu's apt versions move with every security update; pinning them breaks builds.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu22.04 AS run-cuda
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 \
+ && rm -rf /var/lib/apt/lists/*
+
+# ---- build: a virtualenv with torch and kvsentry --------------------------------
+# hadolint ignore=DL3006
+FROM build-${DEVICE} AS builder
+ARG TORCH_VERSION
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first, from its own index, in a layer of its own: it is most of the
+# image and changes least often.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+WORKDIR /src
+COPY . .
+RUN pip install --no-cache-dir . \
+ && python -c "import torch, kvsentry_check as _" 2>/dev/null || python -c "import torch; print('torch', torch.__version__)"
+
+# ---- runtime --------------------------------------------------------------------
+# hadolint ignore=DL3006
+FROM run-${DEVICE} AS runtime
+RUN groupadd --system --gid 10001 kvsentry \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home \
+      --home-dir /nonexistent --shell /usr/sbin/nologin kvsentry \
+ && install -d -o 10001 -g 10001 -m 0750 /var/cache/kvsentry
+COPY --from=builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    KVSENTRY_CACHE_DIR=/var/cache/kvsentry \
+    XDG_CACHE_HOME=/var/cache/kvsentry/xdg \
+    TRITON_CACHE_DIR=/var/cache/kvsentry/triton \
+    HOME=/tmp
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 8000
+# Liveness: /health answers 200, or 503 once a DP rank died or wedged.
+# The start period covers loading a checkpoint.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["kvsentry", "serve"]
+# Listen on all interfaces, as a container must. Arguments given to `docker run`
+# replace these, so repeat --host 0.0.0.0 there:
+#   docker run -p 8000:8000 -v /path/to/model:/models:ro kvsentry:0.1.0-cpu /models --host 0.0.0.0
+CMD ["--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,266 @@
+"""Front-end side of the DP ranks: spawning them, routing requests, waves.
+
+`ClientState` is the transport-free bookkeeping (which rank holds which
+request, least-loaded routing, the wave counter); `DPEngineClient` drives it
+over blocking zmq for the offline `LLM`, engine/async_client.py over asyncio
+for the HTTP service, and `run_headless` starts only local ranks for a worker
+node of a multi-node group.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.dp_rank import endpoints, rank_identity, run_rank
+from engine.messages import (Abort, EngineCoreOutput, EngineMessage, EngineOutputs, EngineRequest,
+                             Fault, RankFailed, RankReady, Shutdown, StepStats, Wake)
+
+RANK_SILENCE_SECONDS = 30.0  # a rank heartbeats every second while idle
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Tracked:
+    rank: int
+    samples_left: int
+    started: bool = False
+
+
+class ClientState:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.size = config.parallel.data_parallel_size
+        self.lockstep = self.size > 1 and config.model.is_moe
+        self.wave = 0
+        self.tracked: dict[str, _Tracked] = {}
+        self.waiting = [0] * self.size
+        self.running = [0] * self.size
+        self.rotation = itertools.count()
+        self.ready_ranks: set[int] = set()
+        self.last_seen = [time.monotonic()] * self.size
+        self.last_progress = time.monotonic()
+        self.stats: dict[int, StepStats] = {}
+        self.dead_reason: str | None = None
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ready_ranks) == self.size
+
+    def pick_rank(self) -> int:
+        loads = [self.waiting[r] * 4 + self.running[r] for r in range(self.size)]
+        best = min(loads)
+        candidates = [r for r in range(self.size) if loads[r] == best]
+        return candidates[next(self.rotation) % len(candidates)]
+
+    def route(self, request: EngineRequest, rank: int | None = None) -> list[tuple[int, bytes]]:
+        """Messages (rank, payload) that submit `request`; also wakes the other ranks."""
+        if request.request_id in self.tracked:
+            raise ValueError(f"request_id: {request.request_id!r} is already in flight")
+        rank = self.pick_rank() if rank is None else rank
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank: must be in [0, {self.size})")
+        request.wave = self.wave
+        self.tracked[request.request_id] = _Tracked(rank, request.params.n)
+        self.waiting[rank] += 1
+        messages = [(rank, self.encoder.encode(request))]
+        if self.lockstep:
+            wake = self.encoder.encode(Wake(self.wave))
+            messages += [(r, wake) for r in range(self.size) if r != rank]
+        return messages
+
+    def abort(self, request_id: str) -> list[tuple[int, bytes]]:
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return []
+        return [(tracked.rank, self.encoder.encode(Abort([request_id])))]
+
+    def broadcast(self, message) -> list[tuple[int, bytes]]:
+        payload = self.encoder.encode(message)
+        return [(r, payload) for r in range(self.size)]
+
+    def handle(self, raw: bytes) -> tuple[list[EngineCoreOutput], list[tuple[int, bytes]]]:
+        """Decode one rank message: (outputs for requests, messages to send back)."""
+        msg = self.decoder.decode(raw)
+        now = time.monotonic()
+        if isinstance(msg, RankReady):
+            self.ready_ranks.add(msg.rank)
+            self.last_seen[msg.rank] = now
+            return [], []
+        if isinstance(msg, RankFailed):
+            self.dead_reason = f"DP rank {msg.rank} failed: {msg.reason}"
+            return [], []
+        assert isinstance(msg, EngineOutputs)
+        self.last_seen[msg.rank] = now
+        if msg.stats is not None:
+            previous = self.stats.get(msg.rank)
+            if previous is None or msg.stats.steps != previous.steps:
+                self.last_progress = now
+            self.stats[msg.rank] = msg.stats
+        replies: list[tuple[int, bytes]] = []
+        if msg.wave_complete is not None:
+            self.wave = max(self.wave, msg.wave_complete + 1)
+        if msg.start_wave is not None:
+            self.wave = max(self.wave, msg.start_wave)
+            replies = self.broadcast(Wake(msg.start_wave))
+        for out in msg.outputs:
+            tracked = self.tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if not tracked.started:
+                tracked.started = True
+                self.waiting[tracked.rank] -= 1
+                self.running[tracked.rank] += 1
+            if out.finish_reason is not None:
+                tracked.samples_left -= 1
+                if tracked.samples_left == 0:
+                    self.running[tracked.rank] -= 1
+                    del self.tracked[out.request_id]
+        return msg.outputs, replies
+
+    def silent_ranks(self) -> list[int]:
+        now = time.monotonic()
+        return [r for r in range(self.size) if now - self.last_seen[r] > RANK_SILENCE_SECONDS]
+
+
+def spawn_local_ranks(config: EngineConfig) -> list[mp.Process]:
+    p = config.parallel
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(p.data_parallel_start_rank, p.data_parallel_start_rank + p.data_parallel_size_local):
+        proc = ctx.Process(target=run_rank, args=(config, rank), name=f"kvsentry-dp-rank-{rank}", daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def dead_process_reason(procs: list[mp.Process], config: EngineConfig) -> str | None:
+    for i, proc in enumerate(procs):
+        if proc.exitcode is not None:
+            rank = config.parallel.data_parallel_start_rank + i
+            return f"DP rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+    return None
+
+
+def stop_processes(procs: list[mp.Process], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+class DPEngineClient:
+    """Blocking client for the offline LLM: same surface as EngineCore (add_request/step/abort)."""
+
+    def __init__(self, config: EngineConfig, ready_timeout: float = 300.0):
+        self.config = config
+        self.state = ClientState(config)
+        self.ctx = zmq.Context()
+        input_addr, output_addr, _ = endpoints(config)
+        self.inputs = self.ctx.socket(zmq.ROUTER)
+        self.inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.inputs.bind(input_addr)
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.bind(output_addr)
+        self.procs = spawn_local_ranks(config)
+        poller = zmq.Poller()
+        poller.register(self.inputs, zmq.POLLIN)
+        poller.register(self.outputs, zmq.POLLIN)
+        deadline = time.monotonic() + ready_timeout
+        while not self.state.ready:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.close()
+                raise EngineDeadError("DP ranks did not become ready in time")
+            for sock, _ in poller.poll(200):
+                raw = sock.recv_multipart()[-1]
+                self.state.handle(raw)
+
+    def _send(self, messages: list[tuple[int, bytes]]) -> None:
+        for rank, payload in messages:
+            try:
+                self.inputs.send_multipart([rank_identity(rank), payload])
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the rank is gone
+                self._check_alive()
+                raise EngineDeadError(f"DP rank {rank} is unreachable: {exc}") from exc
+
+    def _check_alive(self) -> None:
+        reason = self.state.dead_reason or dead_process_reason(self.procs, self.config)
+        if reason:
+            self.close()
+            raise EngineDeadError(reason)
+
+    def add_request(self, request: EngineRequest, rank: int | None = None) -> None:
+        self._send(self.state.route(request, rank))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._send(self.state.abort(request_id))
+
+    def inject_fault(self, rank: int, fault: Fault) -> None:
+        self._send([(rank, self.state.encoder.encode(fault))])
+
+    def step(self, timeout: float = 1.0) -> list[EngineCoreOutput]:
+        """Outputs that arrived within `timeout` seconds (at least one message when busy)."""
+        outputs: list[EngineCoreOutput] = []
+        if self.outputs.poll(int(timeout * 1000)):
+            while True:
+                outs, replies = self.state.handle(self.outputs.recv())
+                outputs += outs
+                self._send(replies)
+                if not self.outputs.poll(0):
+                    break
+        self._check_alive()
+        return outputs
+
+    @property
+    def stats(self) -> dict[int, StepStats]:
+        return self.state.stats
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        try:
+            self._send(self.state.broadcast(Shutdown()))
+        except (zmq.ZMQError, EngineDeadError):
+            pass
+        stop_processes(self.procs)
+        self.inputs.close(0)
+        self.outputs.close(0)
+        self.ctx.term()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def run_headless(config: EngineConfig) -> int:
+    """Worker node: run this node's ranks (no front end) until one exits; its code is ours."""
+    procs = spawn_local_ranks(config)
+    try:
+        while True:
+            reason = dead_process_reason(procs, config)
+            if reason:
+                print(reason, flush=True)
+                stop_processes(procs, timeout=2.0)
+                return next((p.exitcode for p in procs if p.exitcode), 0) or 0
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        stop_processes(procs, timeout=2.0)
+        return 0

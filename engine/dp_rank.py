@@ -1,0 +1,174 @@
+"""One DP rank's process: its EngineCore, its sockets, and the lockstep wave loop.
+
+MoE models with DP > 1 step in lockstep, because every MoE layer runs
+collectives over the whole DP group: while any rank has work ("a wave"), every
+rank steps, and ranks without requests run a dummy batch padded to the same
+token count. Each step all ranks all-reduce (max) their token count and whether
+they have work; when nobody has work the wave ends on every rank at once and
+the ranks block on their input socket (no busy loop) until a request or a Wake
+for the next wave arrives.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
+                             RankReady, Shutdown, Wake)
+
+HEARTBEAT_SECONDS = 1.0
+
+
+def endpoints(config: EngineConfig) -> tuple[str, str, str]:
+    """(input ROUTER, output PULL, torch.distributed rendezvous) addresses of the group."""
+    p = config.parallel
+    host = p.data_parallel_address
+    return (f"tcp://{host}:{p.data_parallel_rpc_port}", f"tcp://{host}:{p.data_parallel_rpc_port + 1}",
+            f"tcp://{host}:{p.data_parallel_rpc_port + 2}")
+
+
+def rank_identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+class RankLoop:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, lockstep: bool):
+        self.core = core
+        self.rank = core.rank
+        self.inputs, self.outputs = inputs, outputs
+        self.lockstep = lockstep
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.wave = 0            # waves completed so far; the same number on every rank
+        self.in_wave = False
+        self.stale_request = False
+        self.running = True
+        self.parent = os.getppid()
+
+    def send(self, **fields) -> None:
+        msg = EngineOutputs(rank=self.rank, outputs=fields.pop("outputs", []), **fields)
+        self.outputs.send(self.encoder.encode(msg), copy=False)
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.in_wave or self.core.has_unfinished
+            if self.inputs.poll(0 if busy else int(HEARTBEAT_SECONDS * 1000)):
+                self.drain()
+            elif not busy:
+                self.heartbeat()
+                continue
+            if not self.running:
+                break
+            if self.lockstep:
+                self.lockstep_step()
+            elif self.core.has_unfinished:
+                outputs = self.core.step()
+                self.send(outputs=outputs, stats=self.core.stats())
+
+    def heartbeat(self) -> None:
+        if os.getppid() != self.parent:  # our launcher died: do not linger as an orphan
+            self.running = False
+            return
+        self.send(stats=self.core.stats())
+
+    def drain(self) -> None:
+        while self.running and self.inputs.poll(0):
+            msg = self.decoder.decode(self.inputs.recv())
+            if isinstance(msg, EngineRequest):
+                try:
+                    self.core.add_request(msg)
+                except ValueError as exc:
+                    from engine.messages import EngineCoreOutput
+                    self.send(outputs=[EngineCoreOutput(msg.request_id, i, [], finish_reason="error",
+                                                        stop_reason=str(exc)) for i in range(msg.params.n)])
+                    continue
+                if not self.in_wave and msg.wave < self.wave:
+                    self.stale_request = True
+            elif isinstance(msg, Abort):
+                self.core.abort(msg.request_ids)
+                self.send(outputs=self.core.take_pending(), stats=self.core.stats())
+            elif isinstance(msg, Wake):
+                if self.lockstep and not self.in_wave and msg.wave >= self.wave:
+                    self.in_wave = True
+            elif isinstance(msg, Fault):
+                self.core.inject_fault(msg)
+            elif isinstance(msg, Shutdown):
+                self.running = False
+
+    def lockstep_step(self) -> None:
+        core = self.core
+        if not self.in_wave and core.has_unfinished:
+            self.in_wave = True
+            if self.stale_request:
+                # The front end woke the others for a wave that had already ended;
+                # ask it to wake everyone for the current one.
+                self.send(start_wave=self.wave)
+        self.stale_request = False
+        if not self.in_wave:
+            return
+        sched = core.schedule()
+        flags = torch.tensor([sched.num_tokens, int(core.has_unfinished)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        max_tokens, anyone_busy = int(flags[0]), int(flags[1])
+        if not anyone_busy and max_tokens == 0:
+            self.in_wave = False
+            self.wave += 1
+            self.send(stats=core.stats(), wave_complete=self.wave - 1 if self.rank == 0 else None)
+            return
+        num_padded = core.config.padded_num_tokens(max(max_tokens, 1))
+        outputs = core.step(sched, num_padded)
+        self.send(outputs=outputs, stats=core.stats())
+
+
+def default_threads(config: EngineConfig) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, config.parallel.data_parallel_size_local))
+
+
+def run_rank(config: EngineConfig, rank: int) -> None:
+    """Entry point of a rank process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when ranks stop
+    config = config.for_rank(rank)
+    torch.set_num_threads(config.num_threads or default_threads(config))
+    ctx = zmq.Context()
+    input_addr, output_addr, dist_addr = endpoints(config)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_addr)
+    try:
+        size = config.parallel.data_parallel_size
+        if size > 1:
+            dist.init_process_group("gloo", init_method=dist_addr, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=120))
+        core = EngineCore(config)
+        inputs = ctx.socket(zmq.DEALER)
+        inputs.setsockopt(zmq.IDENTITY, rank_identity(rank))
+        inputs.setsockopt(zmq.LINGER, 0)
+        inputs.connect(input_addr)
+        # Sent on the DEALER so that, once the front end sees it, its ROUTER can route to us.
+        inputs.send(msgspec.msgpack.encode(RankReady(rank, config.num_blocks, os.getpid())))
+        RankLoop(core, inputs, outputs, lockstep=size > 1 and config.model.is_moe).run()
+    except BaseException as exc:  # report why, then die: the group must not hang on us
+        reason = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
+        try:
+            outputs.send(msgspec.msgpack.encode(RankFailed(rank, reason)))
+            time.sleep(0.2)
+        finally:
+            os._exit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass

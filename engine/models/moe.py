@@ -1,0 +1,282 @@
+"""Mixture-of-experts pieces: routers, this rank's stacked experts, sparse blocks
+with and without shared experts, and the CausalLM that maps per-expert
+checkpoint names onto the stacked tensors.
+
+Routers reproduce the Hugging Face (transformers 5) formulas op for op; each
+returns (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64).
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.models.expert_parallel import ExpertParallel
+from engine.models.layers import SiluMLP, StepContext
+from engine.models.llama import CausalLM
+
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class KeepsFloat32(nn.Module):
+    """Follows `.to(device)` but ignores dtype casts, like HF's `_keep_in_fp32_modules`."""
+
+    def _apply(self, fn, recurse=True):
+        # Hide own tensors from the default conversion, then move them without a cast.
+        kept = [(store, name, t) for store in (self._parameters, self._buffers)
+                for name, t in store.items() if t is not None]
+        for store, name, _ in kept:
+            store[name] = None
+        super()._apply(fn, recurse)
+        for store, name, t in kept:
+            device = fn(torch.empty(0, device=t.device)).device
+            if isinstance(t, nn.Parameter):
+                t.data = t.data.to(device)
+            else:
+                t = t.to(device)
+            store[name] = t
+        return self
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE: softmax over all experts, top-k, optional renormalisation.
+
+    Qwen rounds the weights back to the model dtype, Mixtral keeps them in float32.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 round_to_model_dtype: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.round_to_model_dtype = round_to_model_dtype
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden, self.weight)                      # [T, E], model dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_to_model_dtype:
+            weights = weights.to(logits.dtype).float()
+        return weights, ids
+
+
+class DeepseekV2Router(KeepsFloat32):
+    """Softmax scores; `greedy` or `group_limited_greedy` (best expert per group picks groups).
+
+    Like transformers, V2 ignores `norm_topk_prob`; weights are scaled by routed_scaling_factor.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, topk_method: str,
+                 num_groups: int | None, topk_group: int | None, routed_scaling_factor: float):
+        super().__init__()
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method: DeepSeek-V2 supports greedy and group_limited_greedy, "
+                             f"got {topk_method!r}")
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k, self.topk_method = top_k, topk_method
+        self.num_groups, self.topk_group = num_groups, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden.float(), self.weight.float())
+        scores = logits.softmax(dim=-1, dtype=torch.float32)         # [T, E]
+        if self.topk_method == "group_limited_greedy":
+            num_experts = scores.shape[-1]
+            group_scores = scores.view(-1, self.num_groups, num_experts // self.num_groups).max(dim=-1).values
+            keep = _group_mask(group_scores, self.topk_group, num_experts)
+            scores = scores.masked_fill(~keep, 0.0)
+        weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return weights * self.routed_scaling_factor, ids
+
+
+class DeepseekV3Router(KeepsFloat32):
+    """noaux_tc: sigmoid scores; choice uses score + e_score_correction_bias, groups ranked by
+    the sum of their top-2, top-k within the best `topk_group` groups; weights from raw scores."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_groups: int,
+                 topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.top_k, self.num_groups, self.topk_group = top_k, num_groups, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden.float(), self.weight.float()).sigmoid()  # [T, E]
+        num_experts = scores.shape[-1]
+        for_choice = scores + self.e_score_correction_bias
+        group_scores = (for_choice.view(-1, self.num_groups, num_experts // self.num_groups)
+                        .topk(2, dim=-1)[0].sum(dim=-1))
+        keep = _group_mask(group_scores, self.topk_group, num_experts)
+        for_choice = for_choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: experts inside each token's `topk_group` best groups."""
+    num_groups = group_scores.shape[-1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    return (group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups)
+            .reshape(-1, num_experts).bool())
+
+
+class StackedExperts(nn.Module):
+    """This rank's routed experts as two stacked tensors, HF's fused layout:
+    gate_up_proj [num_local, 2 * intermediate, hidden] (gate rows first), down_proj [num_local, hidden, intermediate].
+    Checkpoints store them per expert; `checkpoint_targets` says where each one goes.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, owned: range,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.owned, self.names = owned, names
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(len(owned), 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(owned), hidden_size, intermediate_size))
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, Callable[[], torch.Tensor]]:
+        """Checkpoint name -> (lazy) view of the parameter slice it fills; local experts only."""
+        gate, up, down = self.names
+        inter = self.intermediate_size
+        targets = {}
+        for local, expert in enumerate(self.owned):
+            base = f"{prefix}.{expert}."
+            targets[base + gate + ".weight"] = lambda i=local: self.gate_up_proj[i, :inter]
+            targets[base + up + ".weight"] = lambda i=local: self.gate_up_proj[i, inter:]
+            targets[base + down + ".weight"] = lambda i=local: self.down_proj[i]
+        return targets
+
+    def forward(self, hidden: torch.Tensor,       # [N, hidden]
+                topk_ids: torch.Tensor,           # [N, top_k] global expert ids
+                topk_weights: torch.Tensor,       # [N, top_k] float32
+                ) -> torch.Tensor:                # [N, hidden], sum over this rank's experts only
+        out = torch.zeros_like(hidden)
+        top_k = topk_ids.shape[1]
+        local_ids = topk_ids.reshape(-1) - self.owned.start
+        mine = (local_ids >= 0) & (local_ids < len(self.owned))
+        flat = mine.nonzero().squeeze(1)           # positions in [N * top_k] routed here
+        if flat.numel() == 0:
+            return out
+        experts_of_flat = local_ids[flat]
+        order = torch.argsort(experts_of_flat, stable=True)  # keeps token order inside an expert
+        flat, experts_of_flat = flat[order], experts_of_flat[order]
+        counts = torch.bincount(experts_of_flat, minlength=len(self.owned)).tolist()
+        weights = topk_weights.reshape(-1)
+        start = 0
+        # Ascending expert order, index_add per expert: the same summation order as HF's eager loop.
+        for local, count in enumerate(counts):
+            if count == 0:
+                continue
+            picked = flat[start:start + count]
+            start += count
+            token_idx = picked // top_k
+            gate, up = F.linear(hidden[token_idx], self.gate_up_proj[local]).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, self.down_proj[local])
+            expert_out = expert_out * weights[picked, None]
+            out.index_add_(0, token_idx, expert_out.to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`) + routed `experts`; the experts run wherever expert parallelism puts them."""
+
+    def __init__(self, gate: nn.Module, experts: StackedExperts, ep: ExpertParallel):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.ep = ep
+
+    def routed(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        topk_weights, topk_ids = self.gate(hidden)  # routed once, by the rank owning the tokens
+        return self.ep.run_experts(self.experts, hidden, topk_ids, topk_weights)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.routed(hidden)
+
+
+class SharedExpertsMoeBlock(SparseMoeBlock):
+    """DeepSeek: routed experts + an always-on `shared_experts` MLP."""
+
+    def __init__(self, gate: nn.Module, experts: StackedExperts, ep: ExpertParallel,
+                 shared_experts: nn.Module | None):
+        super().__init__(gate, experts, ep)
+        self.shared_experts = shared_experts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.routed(hidden)
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)
+
+
+class GatedSharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen2-MoE: routed experts + `shared_expert` scaled by sigmoid(`shared_expert_gate`)."""
+
+    def __init__(self, gate: nn.Module, experts: StackedExperts, ep: ExpertParallel,
+                 hidden_size: int, shared_intermediate_size: int):
+        super().__init__(gate, experts, ep)
+        self.shared_expert = SiluMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(hidden)
+        routed = self.routed(hidden)
+        return routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+
+
+class MoECausalLM(CausalLM):
+    """CausalLM whose experts are stacked and sharded: checkpoint names stay per expert,
+    and a rank neither wants nor expects the experts other ranks own."""
+
+    def __init__(self, config: EngineConfig, make_layer: Callable[[EngineConfig, int, ExpertParallel], nn.Module]):
+        ep = ExpertParallel.from_config(config)
+        super().__init__(config, lambda cfg, i: make_layer(cfg, i, ep))
+        self.ep = ep
+        self._expert_targets: dict[str, Callable[[], torch.Tensor]] = {}
+        self._stacked_names: set[str] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, StackedExperts):
+                self._expert_targets.update(module.checkpoint_targets(name))
+                self._stacked_names.update({f"{name}.gate_up_proj", f"{name}.down_proj"})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        with self.ep.step(input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]):
+            return self.model(input_ids, positions, ctx, inputs_embeds)  # [num_tokens, hidden]
+
+    def wants_weight(self, name: str) -> bool:
+        layer = _LAYER_NAME.match(name)
+        if layer and int(layer.group(1)) >= self.config.model.num_layers:
+            return False  # e.g. DeepSeek-V3's multi-token-prediction layer
+        if name.endswith("rotary_emb.inv_freq"):
+            return False  # derived, stored by some old checkpoints
+        if _EXPERT_NAME.search(name):
+            return name in self._expert_targets
+        return super().wants_weight(name)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        target = self._expert_targets.get(name)
+        if target is None:
+            if _EXPERT_NAME.search(name):
+                raise ValueError(f"checkpoint tensor {name!r}: expert not owned by rank {self.ep.rank}")
+            super().load_weight(name, tensor)
+            return
+        view = target()
+        if view.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(view.shape)}")
+        with torch.no_grad():
+            view.copy_(tensor)
+
+    def expected_weights(self) -> set[str]:
+        dense = {n for n in self.state_dict() if n not in self._stacked_names and self.wants_weight(n)}
+        return dense | set(self._expert_targets)

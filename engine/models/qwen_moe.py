@@ -1,0 +1,58 @@
+"""Qwen2-MoE (qkv bias, gated shared expert) and Qwen3-MoE (per-head q/k RMSNorm, no shared expert).
+
+A layer is sparse unless listed in `mlp_only_layers` or skipped by `decoder_sparse_step`;
+dense layers use the ordinary `intermediate_size` MLP.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.models.expert_parallel import ExpertParallel
+from engine.models.layers import SiluMLP
+from engine.models.llama import Attention, DecoderLayer
+from engine.models.moe import (GatedSharedExpertMoeBlock, MoECausalLM, SoftmaxTopKRouter,
+                               SparseMoeBlock, StackedExperts)
+
+
+def is_sparse_layer(hf: dict, layer_index: int) -> bool:
+    return (layer_index not in (hf.get("mlp_only_layers") or [])
+            and hf.get("num_experts", 0) > 0
+            and (layer_index + 1) % hf.get("decoder_sparse_step", 1) == 0)
+
+
+def make_qwen_moe_layer(config: EngineConfig, layer_index: int, ep: ExpertParallel) -> DecoderLayer:
+    mc, hf = config.model, config.model.hf_config
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window: sliding-window attention is not supported")
+    if is_sparse_layer(hf, layer_index):
+        gate = SoftmaxTopKRouter(mc.hidden_size, mc.num_experts, hf["num_experts_per_tok"],
+                                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), round_to_model_dtype=True)
+        experts = StackedExperts(mc.hidden_size, hf["moe_intermediate_size"], ep.expert_range(mc.num_experts))
+        if mc.architecture == "Qwen2MoeForCausalLM":
+            mlp = GatedSharedExpertMoeBlock(gate, experts, ep, mc.hidden_size,
+                                            hf["shared_expert_intermediate_size"])
+        else:
+            mlp = SparseMoeBlock(gate, experts, ep)
+    else:
+        mlp = SiluMLP(mc.hidden_size, hf["intermediate_size"])
+    layer = DecoderLayer(config, layer_index, mlp=mlp)
+    _match_hf_biases(layer.self_attn, mc.architecture, hf)
+    return layer
+
+
+def _match_hf_biases(attn: Attention, architecture: str, hf: dict) -> None:
+    """llama.Attention decides biases by architecture; align it with transformers' config flags:
+    Qwen2-MoE's q/k/v bias follows `qkv_bias`, Qwen3-MoE's o_proj bias follows `attention_bias`."""
+    if architecture == "Qwen2MoeForCausalLM" and not hf.get("qkv_bias", True):
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.register_parameter("bias", None)
+    if architecture == "Qwen3MoeForCausalLM" and hf.get("attention_bias", False) and attn.o_proj.bias is None:
+        attn.o_proj = nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=True)
+
+
+def qwen_moe_for_causal_lm(config: EngineConfig) -> MoECausalLM:
+    """Qwen2MoeForCausalLM and Qwen3MoeForCausalLM."""
+    return MoECausalLM(config, make_qwen_moe_layer)
