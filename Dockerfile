@@ -29,10 +29,11 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu22.04 AS build-cuda
 # The wheel index must match CUDA_VERSION (cu128 = CUDA 12.8).
 ARG TORCH_CUDA=cu128
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA}
-# Ubuntu's apt versions move with every security update; pinning them breaks builds.
+# g++ and nvcc for the csrc/ CUDA kernels. Ubuntu's apt versions move with every
+# security update; pinning them breaks builds.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
+ && apt-get install -y --no-install-recommends g++ python3.11 python3.11-venv python3.11-dev \
  && rm -rf /var/lib/apt/lists/*
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu22.04 AS run-cuda
@@ -42,6 +43,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 # ---- build: a virtualenv with torch and kvsentry --------------------------------
+# build-${DEVICE} names a stage above, not an image, hence no tag.
 # hadolint ignore=DL3006
 FROM build-${DEVICE} AS builder
 ARG TORCH_VERSION
@@ -56,7 +58,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 WORKDIR /src
 COPY . .
 RUN pip install --no-cache-dir . \
- && python -c "import torch, kvsentry_check as _" 2>/dev/null || python -c "import torch; print('torch', torch.__version__)"
+ && kvsentry --help > /dev/null
 
 # ---- runtime --------------------------------------------------------------------
 # hadolint ignore=DL3006

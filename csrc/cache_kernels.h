@@ -91,6 +91,12 @@ const char* kvsentry_status_string(int status);
 int kvsentry_reshape_and_cache_flash_host(const KvsKvWriteParams* params);
 int kvsentry_concat_and_cache_mla_host(const KvsMlaWriteParams* params);
 
+// The launch plan both of the above would use, for tests and benchmarks:
+// out = {supported, fp8, width, threads_per_token}; width is bytes per copy
+// unit, or input elements per fp8 group.
+void kvsentry_plan_reshape_and_cache_flash(const KvsKvWriteParams* params, int64_t out[4]);
+void kvsentry_plan_concat_and_cache_mla(const KvsMlaWriteParams* params, int64_t out[4]);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -18,12 +18,30 @@ def _null_block_hits(slot_mapping: torch.Tensor, block_size: int) -> torch.Tenso
     return (slot_mapping >= 0) & (slot_mapping // block_size == NULL_BLOCK_ID)
 
 
+def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | float | None) -> torch.Tensor:
+    # fp8 caches may carry a per-tensor scale: stored = x / scale, divided in float32
+    # (a tensor divisor, so CUDA divides too instead of multiplying by a reciprocal).
+    if scale is None:
+        return x.to(cache_dtype)
+    if cache_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"scale applies to a float8_e4m3fn cache only, got a {cache_dtype} cache")
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(1)
+    return (x.to(torch.float32) / scale).to(cache_dtype)
+
+
+def _index_copy(flat_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    if flat_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: copy the bytes
+        flat_cache, rows = flat_cache.view(torch.uint8), rows.view(torch.uint8)
+    flat_cache.index_copy_(0, slots, rows)
+
+
 def write_kv_reference(key: torch.Tensor,          # [num_tokens, num_kv_heads, head_size]
                        value: torch.Tensor,        # [num_tokens, num_kv_heads, head_size]
                        k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_size]
                        v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_size]
                        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
                        null_block_writes: torch.Tensor | None = None,  # [1] int64 counter
+                       scale: torch.Tensor | float | None = None,  # fp8 cache only: stored = x / scale
                        ) -> None:
     num_blocks, block_size = k_cache.shape[:2]
     num_tokens = slot_mapping.shape[0]
@@ -31,8 +49,8 @@ def write_kv_reference(key: torch.Tensor,          # [num_tokens, num_kv_heads, 
     slots = slot_mapping[valid]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slots, key[:num_tokens][valid].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value[:num_tokens][valid].to(v_cache.dtype))
+    _index_copy(flat_k, slots, _to_cache_dtype(key[:num_tokens][valid], k_cache.dtype, scale))
+    _index_copy(flat_v, slots, _to_cache_dtype(value[:num_tokens][valid], v_cache.dtype, scale))
     if null_block_writes is not None:
         null_block_writes += _null_block_hits(slot_mapping, block_size).sum()
 
@@ -42,31 +60,34 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
                         kv_cache: torch.Tensor,      # [num_blocks, block_size, kv_lora_rank + rope_dim]
                         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
                         null_block_writes: torch.Tensor | None = None,
+                        scale: torch.Tensor | float | None = None,
                         ) -> None:
     num_blocks, block_size, width = kv_cache.shape
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    latent = torch.cat([kv_c[valid], k_pe[valid]], dim=-1).to(kv_cache.dtype)  # compressed kv first, then rope
-    kv_cache.view(num_blocks * block_size, width).index_copy_(0, slots, latent)
+    latent = torch.cat([kv_c[valid], k_pe[valid]], dim=-1)  # compressed kv first, then rope
+    _index_copy(kv_cache.view(num_blocks * block_size, width), slots, _to_cache_dtype(latent, kv_cache.dtype, scale))
     if null_block_writes is not None:
         null_block_writes += _null_block_hits(slot_mapping, block_size).sum()
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None) -> None:
+             slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> None:
     if k_cache.is_cuda:
         from engine import cuda_ops
         if cuda_ops.available():
-            cuda_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, null_block_writes)
+            cuda_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
             return
-    write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes)
+    write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
 
 def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None) -> None:
+              slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
+              scale: torch.Tensor | None = None) -> None:
     if kv_cache.is_cuda:
         from engine import cuda_ops
         if cuda_ops.available():
-            cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes)
+            cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
             return
-    write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes)
+    write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)

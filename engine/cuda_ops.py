@@ -1,0 +1,128 @@
+"""The CUDA KV-cache writers of csrc/, JIT-built on first use.
+
+`available()` is what engine.kv_writer asks before dispatching a CUDA cache to
+the kernels; everything else (CPU, no CUDA toolkit, a failed build) falls back
+to the torch reference there. The build goes through
+`torch.utils.cpp_extension.load` into a cache directory, so only the first
+process on a machine pays for it (torch's file lock serialises DP ranks).
+
+Environment:
+  KVSENTRY_EXTENSION_DIR    build cache root (default ~/.cache/kvsentry/torch_extensions)
+  KVSENTRY_DISABLE_CUDA_OPS=1  never use the kernels (the reference runs instead)
+  KVSENTRY_REQUIRE_CUDA_OPS=1  raise when CUDA is present but the build fails,
+                               instead of warning and falling back
+  TORCH_CUDA_ARCH_LIST      target GPUs (torch's default: the visible devices)
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+HOST_SOURCES = ("torch_bindings.cpp", "cache_kernels_host.cpp")
+CUDA_SOURCES = HOST_SOURCES + ("cache_kernels.cu",)
+# -Werror: nvcc only warns when device code calls a host function, then
+# drops the call; a kernel that silently writes nothing must not build.
+NVCC_FLAGS = ["-O3", "-lineinfo", "-Werror", "all-warnings", "-Wno-deprecated-gpu-targets"]
+CXX_FLAGS = ["-O3"]  # torch picks the C++ standard its headers need
+
+# (flavour, library path) once loaded: a process can hold one TORCH_LIBRARY(kvsentry).
+_loaded: tuple[str, str] | None = None
+
+
+def default_build_directory(with_cuda: bool) -> Path:
+    root = Path(os.environ.get("KVSENTRY_EXTENSION_DIR", Path.home() / ".cache" / "kvsentry" / "torch_extensions"))
+    flavour = f"cu{torch.version.cuda}" if with_cuda else "cpu"
+    return root / f"torch{torch.__version__.split('+')[0]}-{flavour}"
+
+
+def build(with_cuda: bool, build_directory: str | os.PathLike | None = None, verbose: bool = False) -> str:
+    """Compile and load the ops; returns the library path. with_cuda=False builds the
+    CPU-only variant (CPU + Meta implementations) that the CPU tests use."""
+    global _loaded
+    flavour = "cuda" if with_cuda else "cpu"
+    if _loaded is not None and _loaded[0] in (flavour, "cuda"):
+        return _loaded[1]  # the CUDA build carries the CPU and Meta implementations too
+    if _loaded is not None:
+        raise RuntimeError("kvsentry ops: the CPU-only build is already loaded in this process; "
+                           "the CUDA build cannot be loaded next to it")
+    from torch.utils.cpp_extension import load
+    directory = Path(build_directory) if build_directory else default_build_directory(with_cuda)
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = CUDA_SOURCES if with_cuda else HOST_SOURCES
+    path = load(name=f"kvsentry_ops_{flavour}", sources=[str(CSRC / s) for s in sources],
+                extra_cflags=CXX_FLAGS + (["-DKVSENTRY_WITH_CUDA"] if with_cuda else []),
+                extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)],
+                build_directory=str(directory), with_cuda=with_cuda,
+                is_python_module=False, verbose=verbose)
+    _loaded = (flavour, path)
+    return path
+
+
+@functools.cache
+def _cuda_build_ok() -> bool:
+    try:
+        build(with_cuda=True)
+        return bool(torch.ops.kvsentry.built_with_cuda())
+    except Exception as exc:  # no toolkit, compiler error, version mismatch...
+        if os.environ.get("KVSENTRY_REQUIRE_CUDA_OPS") == "1":
+            raise
+        log.warning("kvsentry CUDA KV writers unavailable, using the torch reference: %s", exc)
+        return False
+
+
+def available() -> bool:
+    """True when CUDA caches can use the kernels (builds them on the first call)."""
+    if os.environ.get("KVSENTRY_DISABLE_CUDA_OPS") == "1" or not torch.cuda.is_available():
+        return False
+    return _cuda_build_ok()
+
+
+def _cuda_only(name: str, *tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and not t.is_cuda:
+            raise ValueError(f"cuda_ops.{name}: every tensor must be on a CUDA device, got one on {t.device} "
+                             "(CPU caches go through engine.kv_writer's torch reference)")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    # The kernels read each row as one contiguous run; any other stride is fine.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _scale(scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    return torch.tensor([scale], dtype=torch.float32, device=like.device)
+
+
+def reshape_and_cache_flash(key: torch.Tensor,           # [num_tokens, num_kv_heads, head_size]
+                            value: torch.Tensor,         # [num_tokens, num_kv_heads, head_size]
+                            k_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_size]
+                            v_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_size]
+                            slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+                            null_block_writes: torch.Tensor | None = None,  # [1] int64, += writes into block 0
+                            scale: torch.Tensor | float | None = None,  # [1] float32, fp8 cache: stored = x / scale
+                            ) -> None:
+    _cuda_only("reshape_and_cache_flash", key, value, k_cache, v_cache, slot_mapping, null_block_writes)
+    # Shapes, dtypes, devices and strides are checked by the op (torch_bindings.cpp), also under torch.compile.
+    torch.ops.kvsentry.reshape_and_cache_flash(_rows(key), _rows(value), k_cache, v_cache, slot_mapping,
+                                               null_block_writes, _scale(scale, k_cache))
+
+
+def concat_and_cache_mla(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank]
+                         k_pe: torch.Tensor,          # [num_tokens, rope_dim]
+                         kv_cache: torch.Tensor,      # [num_blocks, block_size, kv_lora_rank + rope_dim]
+                         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+                         null_block_writes: torch.Tensor | None = None,
+                         scale: torch.Tensor | float | None = None,
+                         ) -> None:
+    _cuda_only("concat_and_cache_mla", kv_c, k_pe, kv_cache, slot_mapping, null_block_writes)
+    torch.ops.kvsentry.concat_and_cache_mla(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping,
+                                            null_block_writes, _scale(scale, kv_cache))

@@ -1,0 +1,264 @@
+"""The engine side of one HTTP request: validation, submission, merged outputs, abort.
+
+A request with P prompts becomes P engine requests (each with its n samples).
+`Generation.updates()` yields the index of the prompt whose `RequestState`
+changed; `close()` aborts whatever is still running upstream (client gone,
+error, shutdown) and records metrics and the one log line per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.messages import EngineRequest
+from engine.output_processor import RequestState
+from engine.sampling_params import SamplingParams
+from service.errors import APIError, bad_request, from_value_error
+from service.logs import log_event
+from service.protocol import SamplingFields
+from service.state import AppState
+
+logger = logging.getLogger("kvsentry.request")
+
+
+class EngineFailed(Exception):
+    """The engine could not finish this request (a rank died, or refused it)."""
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None  # the prompt as the client sent it, when it was text
+
+
+def new_request_id(prefix: str, client_id: str | None) -> str:
+    return f"{prefix}-{client_id or uuid.uuid4().hex}"
+
+
+def check_prompt(state: AppState, prompt: PromptInput, max_tokens: int, param: str = "prompt") -> None:
+    ids = prompt.token_ids
+    if not ids:
+        raise bad_request(f"{param}: must contain at least one token", param)
+    vocab = state.config.model.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"{param}: token ids must be in [0, {vocab})", param, "invalid_token_id")
+    limit = state.config.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, and the prompt has "
+                          f"{len(ids)} tokens, leaving no room to generate. Please shorten the prompt.",
+                          param, "context_length_exceeded")
+    if len(ids) + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
+                          f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                          f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                          "max_tokens", "context_length_exceeded")
+
+
+def sampling_params(state: AppState, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    kwargs: dict = {"n": req.n, "max_tokens": max_tokens, "min_tokens": req.min_tokens,
+                    "seed": req.seed, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+                    "prompt_logprobs": prompt_logprobs,
+                    "include_stop_str_in_output": req.include_stop_str_in_output,
+                    "skip_special_tokens": req.skip_special_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop_ids = list(req.stop_token_ids or [])
+    if any(t >= state.config.model.vocab_size for t in stop_ids):
+        raise bad_request(f"stop_token_ids: must be in [0, {state.config.model.vocab_size})", "stop_token_ids")
+    if not req.ignore_eos:
+        stop_ids += [t for t in state.extra_eos_ids if t not in stop_ids]
+    kwargs["stop_token_ids"] = stop_ids
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+class Generation:
+    def __init__(self, state: AppState, request_id: str, route: str, prompts: list[PromptInput],
+                 params: SamplingParams, client_request_id: str):
+        self.state = state
+        self.request_id = request_id
+        self.route = route
+        self.prompts = prompts
+        self.params = params
+        self.client_request_id = client_request_id
+        suffix = uuid.uuid4().hex[:8]
+        self.engine_ids = [f"{request_id}-{i}-{suffix}" for i in range(len(prompts))]
+        self.states = [RequestState(eid, p.token_ids, params, state.tokenizer)
+                       for eid, p in zip(self.engine_ids, prompts)]
+        self.arrival = time.monotonic()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._forwarders: list[asyncio.Task] = []
+        self._submitted: list[str] = []
+        self._first_output = [False] * len(prompts)
+        self._stopped_here = [False] * len(prompts)  # a stop string ended a sample the engine still runs
+        self._first_token: float | None = None
+        self._last_token: dict[tuple[int, int], float] = {}
+        self._closed = False
+        self.outcome = "ok"
+
+    # -- submission ---------------------------------------------------------------------------------
+    def submit(self) -> None:
+        state = self.state
+        state.admit(len(self.prompts))
+        try:
+            for i, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts)):
+                request = EngineRequest(engine_id, prompt.token_ids, self.params,
+                                        eos_token_id=state.tokenizer.eos_token_id, arrival_time=time.time())
+                queue = state.client.add_request(request)
+                self._submitted.append(engine_id)
+                state.in_flight.add(engine_id)
+                state.metrics.prompt_tokens.labels(state.model_name).inc(len(prompt.token_ids))
+                self._forwarders.append(asyncio.get_running_loop().create_task(self._forward(i, queue)))
+        except ValueError as exc:
+            self.close("rejected")
+            raise from_value_error(exc, "prompt") from None
+        except Exception as exc:  # the engine died between admission and submission
+            self.close("engine_error")
+            raise APIError(503, f"engine is not running: {exc}", None, "engine_dead",
+                           headers={"Retry-After": "1"}) from None
+        state.metrics.in_flight.labels(state.model_name).set(len(state.in_flight))
+
+    async def _forward(self, index: int, queue: asyncio.Queue) -> None:
+        while True:
+            item = await queue.get()
+            self._events.put_nowait((index, item))
+            if isinstance(item, Exception):
+                return
+
+    # -- outputs -------------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    async def updates(self) -> AsyncIterator[int]:
+        """Yield the prompt index of each state change until every sample has finished."""
+        while not self.finished:
+            index, item = await self._events.get()
+            if isinstance(item, Exception):
+                raise EngineFailed(str(item) or type(item).__name__)
+            request_state = self.states[index]
+            if request_state.finished:
+                continue
+            self._observe(index, item)
+            before = [s.finish_reason for s in request_state.samples]
+            if request_state.process(item):
+                self._stopped_here[index] = True
+            self._count_finishes(request_state, before)
+            if request_state.finished:
+                self._release(index, abort=self._stopped_here[index])
+            yield index
+
+    def _observe(self, index: int, out) -> None:
+        now = time.monotonic()
+        metrics, name = self.state.metrics, self.state.model_name
+        if not self._first_output[index]:
+            self._first_output[index] = True
+            metrics.queue_time.labels(name).observe(now - self.arrival)
+        if not out.new_token_ids:
+            return
+        metrics.generation_tokens.labels(name).inc(len(out.new_token_ids))
+        if self._first_token is None:
+            self._first_token = now
+            metrics.ttft.labels(name).observe(now - self.arrival)
+        key = (index, out.index)
+        last = self._last_token.get(key)
+        if last is not None:
+            metrics.itl.labels(name).observe((now - last) / len(out.new_token_ids))
+        self._last_token[key] = now
+
+    def _count_finishes(self, request_state: RequestState, before: list[str | None]) -> None:
+        counter = self.state.metrics.request_success
+        for sample, previous in zip(request_state.samples, before):
+            if previous is None and sample.finish_reason is not None:
+                counter.labels(self.state.model_name, sample.finish_reason).inc()
+
+    def _release(self, index: int, abort: bool) -> None:
+        engine_id = self.engine_ids[index]
+        if engine_id not in self.state.in_flight:
+            return
+        self.state.in_flight.discard(engine_id)
+        if abort:
+            self.state.abort_soon(engine_id)
+        self.state.metrics.in_flight.labels(self.state.model_name).set(len(self.state.in_flight))
+
+    # -- the end -------------------------------------------------------------------------------------
+    def close(self, outcome: str | None = None) -> None:
+        """Abort what still runs upstream and log the request. Idempotent; never awaits."""
+        if self._closed:
+            return
+        self._closed = True
+        if outcome:
+            self.outcome = outcome
+        for task in self._forwarders:
+            task.cancel()
+        for index, engine_id in enumerate(self.engine_ids):
+            if engine_id not in self._submitted:
+                continue
+            request_state = self.states[index]
+            before = [s.finish_reason for s in request_state.samples]
+            for sample in request_state.samples:
+                if sample.finish_reason is None:
+                    sample.finish_reason = "abort"
+            self._count_finishes(request_state, before)
+            self._release(index, abort=engine_id in self.state.in_flight)
+        now = time.monotonic()
+        if self._submitted:
+            self.state.metrics.e2e.labels(self.state.model_name).observe(now - self.arrival)
+        fields = {
+            "id": self.client_request_id, "response_id": self.request_id, "route": self.route,
+            "outcome": self.outcome, "prompts": len(self.prompts), "n": self.params.n,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "latency_s": round(now - self.arrival, 4),
+            "ttft_s": round(self._first_token - self.arrival, 4) if self._first_token else None,
+            "finish_reasons": sorted({s.finish_reason or "none" for rs in self.states for s in rs.samples}),
+        }
+        if self.state.settings.log_prompts:
+            fields["prompts_text"] = [p.text if p.text is not None else p.token_ids for p in self.prompts]
+        log_event(logger, "request", **fields)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for rs in self.states for s in rs.samples)
+
+
+async def wait_for_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(receive, generation: Generation) -> bool:
+    """Drive `generation` to the end; False when the client went away first (then it is aborted)."""
+    async def drain() -> None:
+        async for _ in generation.updates():
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watcher):
+            if not task.done():
+                task.cancel()
+    if work in done:
+        work.result()  # re-raise EngineFailed
+        return True
+    generation.close("client_disconnected")
+    return False

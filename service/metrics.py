@@ -1,0 +1,111 @@
+"""Prometheus metrics of one server, in their own registry (tests build many apps).
+
+Request metrics are updated by the handlers; per-rank gauges are read from the
+client's latest `StepStats` at scrape time by `EngineStatsCollector`, so they
+are never staler than the last step. Every series carries `model_name`; the
+per-rank ones also carry `engine` (the DP rank).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.messages import StepStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+StatsSource = Callable[[], dict[int, StepStats]]
+
+
+class EngineStatsCollector(Collector):
+    """Per-rank gauges and counters from the ranks' latest StepStats."""
+
+    def __init__(self, model_name: str, stats: StatsSource):
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self.stats())
+        yield self._gauge("kvsentry_num_requests_running", "Requests in the running batch of a DP rank.",
+                          stats, lambda s: s.num_running)
+        yield self._gauge("kvsentry_num_requests_waiting", "Requests waiting to be scheduled on a DP rank.",
+                          stats, lambda s: s.num_waiting)
+        yield self._gauge("kvsentry_kv_cache_usage_perc",
+                          "Fraction of KV cache blocks in use on a DP rank (1 = full).",
+                          stats, lambda s: s.kv_usage)
+        yield self._counter("kvsentry_prefix_cache_queries", "Blocks looked up in the prefix cache.",
+                            stats, lambda s: s.prefix_queries)
+        yield self._counter("kvsentry_prefix_cache_hits", "Blocks found in the prefix cache.",
+                            stats, lambda s: s.prefix_hits)
+        yield self._counter("kvsentry_num_preemptions", "Requests preempted for lack of KV blocks.",
+                            stats, lambda s: s.preemptions)
+        yield self._counter("kvsentry_engine_steps", "Engine steps run (dummy batches included).",
+                            stats, lambda s: s.steps)
+        yield self._counter("kvsentry_dummy_batches", "Dummy batches run by idle ranks during a wave.",
+                            stats, lambda s: s.dummy_batches)
+
+    def _labels(self, rank: int) -> list[str]:
+        return [self.model_name, str(rank)]
+
+    def _gauge(self, name: str, doc: str, stats: dict[int, StepStats],
+               value: Callable[[StepStats], float]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+        for rank, s in sorted(stats.items()):
+            family.add_metric(self._labels(rank), float(value(s)))
+        return family
+
+    def _counter(self, name: str, doc: str, stats: dict[int, StepStats],
+                 value: Callable[[StepStats], float]) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+        for rank, s in sorted(stats.items()):
+            family.add_metric(self._labels(rank), float(value(s)))
+        return family
+
+
+class Metrics:
+    def __init__(self, model_name: str, stats: StatsSource):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        m = ["model_name"]
+        self.http_requests = Counter("kvsentry_http_requests", "HTTP requests by route and status.",
+                                     m + ["route", "status"], registry=r)
+        self.http_duration = Histogram("kvsentry_http_request_duration_seconds",
+                                       "Time to the end of the HTTP response.", m + ["route"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvsentry_prompt_tokens", "Prompt tokens of accepted requests.",
+                                     m, registry=r)
+        self.generation_tokens = Counter("kvsentry_generation_tokens", "Tokens generated.", m, registry=r)
+        self.request_success = Counter("kvsentry_request_success", "Finished engine requests by reason.",
+                                       m + ["finished_reason"], registry=r)
+        self.ttft = Histogram("kvsentry_time_to_first_token_seconds", "Arrival to first generated token.",
+                              m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvsentry_inter_token_latency_seconds", "Time between tokens of a sample.",
+                             m, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kvsentry_e2e_request_latency_seconds", "Arrival to the last token.",
+                             m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kvsentry_request_queue_time_seconds",
+                                    "Arrival to the first output of the engine for the request "
+                                    "(queueing plus the first prefill chunk).",
+                                    m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("kvsentry_frontend_requests_in_flight",
+                               "Engine requests the front end has submitted and not seen finish.",
+                               m, registry=r)
+        self.rejected = Counter("kvsentry_requests_rejected", "Requests refused before reaching a rank.",
+                                m + ["reason"], registry=r)
+        r.register(EngineStatsCollector(model_name, stats))
+
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(self.model_name, route, str(status)).inc()
+        self.http_duration.labels(self.model_name, route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

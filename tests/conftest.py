@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny HF checkpoints written once per session by the demo writer."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Random weights at std 0.02 give near-uniform logits whose top two tokens can tie
+# to 1e-6; a larger init scale makes greedy comparisons meaningful.
+TEST_INIT_SCALE = 0.3
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint("tiny-llama", **overrides) -> path of a cached tiny checkpoint."""
+    from engine.demo_checkpoint import write_preset
+    made: dict[tuple, str] = {}
+
+    def make(preset: str, **overrides) -> str:
+        key = (preset, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(preset)
+            write_preset(path, preset, init_scale=overrides.pop("init_scale", TEST_INIT_SCALE), **overrides)
+            made[key] = str(path)
+        return made[key]
+
+    return make
