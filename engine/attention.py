@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -38,14 +39,14 @@ def gather_kv(cache: torch.Tensor,         # [num_blocks, block_size, *rest]
 
 
 def _attend(q: torch.Tensor,      # [B, Hq, Lq, D]
-            k: torch.Tensor,      # [B, Hq, Lk, D]
-            v: torch.Tensor,      # [B, Hq, Lk, Dv]
-            allowed: torch.Tensor,  # [B, 1, Lq, Lk] bool
+            k: torch.Tensor,      # [B, Hkv, Lk, D]
+            v: torch.Tensor,      # [B, Hkv, Lk, Dv]
+            allowed: torch.Tensor | None,  # [B, 1, Lq, Lk] bool, None = causal from the start
             scale: float) -> torch.Tensor:  # [B, Hq, Lq, Dv]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.float().masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    gqa = q.shape[1] != k.shape[1]
+    if allowed is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
 def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, head_dim]
@@ -63,16 +64,12 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
     if meta.num_reqs == 0:
         return out
     block_size = key_cache.shape[1]
-    group = num_heads // key_cache.shape[2]
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     if meta.decode_only:
         num_read = -(-meta.max_seq_len // block_size)
         tables = meta.block_tables[:meta.num_reqs, :num_read]
         k = gather_kv(key_cache, tables).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_kv(value_cache, tables).transpose(1, 2)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
         q = query[:meta.num_reqs].unsqueeze(2)  # [B, H, 1, D]
         positions = torch.arange(k.shape[2], device=query.device)
         allowed = (positions[None, :] < meta.seq_lens[:meta.num_reqs, None]).view(meta.num_reqs, 1, 1, -1)
@@ -85,12 +82,12 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
         table = meta.block_tables[i:i + 1, :num_read]
         k = gather_kv(key_cache, table).transpose(1, 2)  # [1, Hkv, L, D]
         v = gather_kv(value_cache, table).transpose(1, 2)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
-        k_pos = torch.arange(k.shape[2], device=query.device)
-        allowed = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, -1)
+        if num_new == seq_len:  # nothing cached before this chunk: plain causal
+            k, v, allowed = k[:, :, :seq_len], v[:, :, :seq_len], None
+        else:
+            q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
+            k_pos = torch.arange(k.shape[2], device=query.device)
+            allowed = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, -1)
         out[q_start:q_end] = _attend(q, k, v, allowed, scale)[0].transpose(0, 1)
     return out

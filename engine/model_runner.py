@@ -52,7 +52,8 @@ class ModelRunner:
         if sample_rows:
             index = torch.tensor([batch.logits_indices[i] for i in sample_rows], device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampling, vocab]
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            # One reduction per row: a NaN or Inf anywhere makes the row's sum non-finite.
+            finite = torch.isfinite(logits.float().sum(dim=-1)).tolist()
             to_sample = [requests[i] for i in sample_rows]
             tokens, logprobs = self.sampler.sample(logits, to_sample)
             for request, token, lp, ok in zip(to_sample, tokens, logprobs, finite):
