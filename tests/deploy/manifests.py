@@ -12,7 +12,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -28,7 +29,9 @@ KUSTOMIZATIONS = {"base": K8S / "base"} | {
     p.parent.name: p.parent for p in sorted((K8S / "overlays").glob("*/kustomization.yaml"))}
 
 NAMESPACE = "kvsentry"  # what the overlays set; stands in for the downward API
-BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection"}
+# `kvsentry serve` flags that take no value (store_true / BooleanOptionalAction).
+BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection", "--log-prompts",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching"}
 
 # The metric families kvsentry exports (Prometheus names, before _bucket/_sum/_count).
 KNOWN_METRICS = {
