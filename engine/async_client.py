@@ -98,10 +98,10 @@ class AsyncEngineClient:
             self._send_now(rank, payload)
         return queue
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, index: int | None = None) -> None:
         if self.dead_reason:
             return
-        await self._send(self.state.abort(request_id))
+        await self._send(self.state.abort(request_id, index))
 
     async def inject_fault(self, rank: int, fault: Fault) -> None:
         if not 0 <= rank < self.state.size:

@@ -43,7 +43,10 @@ def parse_memory(value: int | float | str) -> int:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", value)
     if not match:
         raise ValueError(f"kv_cache_memory: cannot parse {value!r} (try '2GiB' or a byte count)")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    try:
+        number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    except ValueError:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (try '2GiB' or a byte count)") from None
     scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
              "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40,
@@ -70,6 +73,7 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     num_experts: int = 0
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a turn (generation_config.json)
 
     @property
     def is_mla(self) -> bool:
@@ -106,8 +110,12 @@ class ModelConfig:
         else:
             head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
             num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        generation_file = root / "generation_config.json"
+        eos = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
+        eos = hf.get("eos_token_id") if eos is None else eos
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
-            path=str(root), architecture=arch, hf_config=hf,
+            path=str(root), architecture=arch, hf_config=hf, eos_token_ids=eos_ids,
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,

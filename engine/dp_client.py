@@ -79,11 +79,11 @@ class ClientState:
             messages += [(r, wake) for r in range(self.size) if r != rank]
         return messages
 
-    def abort(self, request_id: str) -> list[tuple[int, bytes]]:
+    def abort(self, request_id: str, index: int | None = None) -> list[tuple[int, bytes]]:
         tracked = self.tracked.get(request_id)
         if tracked is None:
             return []
-        return [(tracked.rank, self.encoder.encode(Abort([request_id])))]
+        return [(tracked.rank, self.encoder.encode(Abort([request_id], index)))]
 
     def broadcast(self, message) -> list[tuple[int, bytes]]:
         payload = self.encoder.encode(message)
@@ -206,9 +206,9 @@ class DPEngineClient:
     def add_request(self, request: EngineRequest, rank: int | None = None) -> None:
         self._send(self.state.route(request, rank))
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], index: int | None = None) -> None:
         for request_id in request_ids:
-            self._send(self.state.abort(request_id))
+            self._send(self.state.abort(request_id, index))
 
     def inject_fault(self, rank: int, fault: Fault) -> None:
         self._send([(rank, self.state.encoder.encode(fault))])

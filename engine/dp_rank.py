@@ -96,7 +96,7 @@ class RankLoop:
                 if not self.in_wave and msg.wave < self.wave:
                     self.stale_request = True
             elif isinstance(msg, Abort):
-                self.core.abort(msg.request_ids)
+                self.core.abort(msg.request_ids, msg.index)
                 self.send(outputs=self.core.take_pending(), stats=self.core.stats())
             elif isinstance(msg, Wake):
                 if self.lockstep and not self.in_wave and msg.wave >= self.wave:

@@ -14,6 +14,19 @@ from engine.messages import EngineCoreOutput, EngineRequest, StepStats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sentinel import NaNSentinel
+
+
+def validate_request(config: EngineConfig, request: EngineRequest) -> None:
+    num_prompt = len(request.prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt: must contain at least one token")
+    if num_prompt >= config.max_model_len:
+        raise ValueError(f"prompt: {num_prompt} tokens leave no room to generate within "
+                         f"max_model_len={config.max_model_len}")
+    vocab = config.model.vocab_size
+    if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+        raise ValueError(f"prompt: token ids must be in [0, {vocab})")
 
 
 class EngineCore:
@@ -24,6 +37,10 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config)
+        self.sentinel = NaNSentinel(config, self.runner.kv_caches)
+        self.heals = 0
+        self._eos_ids = frozenset(config.model.eos_token_ids)
+        self.nan_policy_tripped = False
         self.steps = 0
         self.dummy_batches = 0
         self.padded_tokens = 0
@@ -32,15 +49,7 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt: must contain at least one token")
-        if num_prompt >= self.config.max_model_len:
-            raise ValueError(f"prompt: {num_prompt} tokens leave no room to generate within "
-                             f"max_model_len={self.config.max_model_len}")
-        vocab = self.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        validate_request(self.config, request)
 
     def add_request(self, request: EngineRequest) -> None:
         self.validate(request)
@@ -48,12 +57,13 @@ class EngineCore:
         for index in range(request.params.n):
             r = Request(request.request_id, index, request.prompt_token_ids, request.params,
                         request.eos_token_id, request.arrival_time or time.time(), wait_for=first)
+            r.eos_token_ids = self._eos_ids | ({request.eos_token_id} - {None})
             first = first or r
             self.scheduler.add(r)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], index: int | None = None) -> None:
         for request_id in request_ids:
-            for request in self.scheduler.abort(request_id):
+            for request in self.scheduler.abort(request_id, index):
                 self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
                                                       finish_reason="abort"))
 
@@ -81,29 +91,59 @@ class EngineCore:
         self.steps += 1
         if sched.num_reqs == 0:
             if num_padded:
-                self.dummy_batches += 1
-                self.padded_tokens += num_padded
-                self.runner.run_dummy(num_padded)
-            return outputs
+                self.steps -= 1
+                self.run_dummy(num_padded)
+            return outputs + self.take_pending()
         num_padded = num_padded or self.config.padded_num_tokens(sched.num_tokens)
         self.padded_tokens += num_padded - sched.num_tokens
         result = self.runner.execute(sched, num_padded)
-        return outputs + self._update(sched, result)
+        outputs += self._update(sched, result)
+        self._watch_cache()
+        return outputs + self.take_pending()
 
     def run_dummy(self, num_padded: int) -> None:
         self.steps += 1
         self.dummy_batches += 1
         self.padded_tokens += num_padded
         self.runner.run_dummy(num_padded)
+        self._watch_cache()
+
+    def _watch_cache(self) -> None:
+        """Run the sentinel over what this step wrote, then apply the NaN policy."""
+        poisoned = self.sentinel.step(self.runner.last_written_slots, self.config.block_size)
+        policy = self.config.nan_policy
+        if policy == "fail" and (poisoned or self.sentinel.null_block_poisoned):
+            self.nan_policy_tripped = True
+        if policy != "heal":
+            return
+        if self.sentinel.null_block_poisoned:
+            self.sentinel.zero_block(0)
+            self.heals += 1
+        for block in self.sentinel.poisoned_blocks():
+            self._heal_block(block)
+
+    def _heal_block(self, block: int) -> None:
+        """Abort every request reading `block` with "error", forget and zero the block."""
+        owners = [r for r in list(self.scheduler.requests.values()) if block in r.block_ids]
+        for request in owners:
+            self.corrupted_requests += 1
+            self.scheduler.finish(request, "error", "kv cache block poisoned")
+            self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
+                                                  finish_reason="error", stop_reason="kv cache block poisoned"))
+        self.scheduler.kv.pool.drop_from_cache(block)
+        self.sentinel.zero_block(block)
+        self.heals += 1
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         max_len = self.config.max_model_len
         for request, num_new in sched.scheduled:
-            first_chunk = request.num_computed_tokens == 0
             request.num_computed_tokens += num_new
             self.scheduler.kv.cache_computed_blocks(request)
             prompt_lps = result.prompt_logprobs.get(request.key)
+            first_chunk = request.prompt_logprobs_sent == 1
+            if prompt_lps:
+                request.prompt_logprobs_sent += len(prompt_lps)
             token = result.sampled.get(request.key)
             if token is None:
                 if prompt_lps:
@@ -136,7 +176,7 @@ class EngineCore:
     def _check_stop(request: Request, token: int, max_len: int) -> tuple[str | None, int | None]:
         params = request.params
         if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
+            if token in request.eos_token_ids and not params.ignore_eos:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
@@ -153,4 +193,9 @@ class EngineCore:
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             preemptions=self.scheduler.num_preemptions,
             null_block_writes=int(self.runner.null_block_writes.item()),
-            corrupted_requests=self.corrupted_requests)
+            corrupted_requests=self.corrupted_requests,
+            nan_values=self.sentinel.values() if self.sentinel.enabled else [],
+            nan_detections=list(self.sentinel.detections.items()),
+            heals=self.heals, scan_seconds=self.sentinel.take_scan_seconds(),
+            scan_coverage_steps=self.sentinel.coverage_steps,
+            nan_policy_tripped=self.nan_policy_tripped)

@@ -35,9 +35,12 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every retry while it waits)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] = ()) -> bool:

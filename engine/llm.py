@@ -38,6 +38,10 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def validate(self, request: EngineRequest) -> None:
+        from engine.engine_core import validate_request
+        validate_request(self.config, request)
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -63,6 +67,8 @@ class LLM:
         if len(param_list) != len(prompts):
             raise ValueError("params: need one SamplingParams per prompt")
         requests = [self.make_request(p, sp) for p, sp in zip(prompts, param_list)]
+        for request in requests:  # all or nothing: a bad prompt must not leave others running
+            self.validate(request)
         states = {}
         for i, request in enumerate(requests):
             if rank_of is not None:
@@ -85,8 +91,7 @@ class LLM:
 
     def _abort_sample(self, state: RequestState, index: int) -> None:
         # A stop string was seen in the text: the engine must stop this sample too.
-        if all(s.finish_reason is not None for s in state.samples):
-            self.engine.abort([state.request_id])
+        self.engine.abort([state.request_id], index)
 
     @staticmethod
     def _to_output(prompt: Prompt, state: RequestState) -> RequestOutput:

@@ -37,6 +37,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+    index: int | None = None  # one sample of an n > 1 request (a stop string ended it)
 
 
 class Wake(msgspec.Struct, tag=True):

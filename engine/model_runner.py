@@ -33,6 +33,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # Device-side count of cache writes whose slot fell in the null block.
         self.null_block_writes = torch.zeros(1, dtype=torch.int64, device=config.device)
+        self.last_written_slots: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]
@@ -40,11 +41,14 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, ctx, batch.inputs_embeds)
 
     def run_dummy(self, num_padded: int) -> None:
-        self.forward(self.builder.build_dummy(num_padded))
+        batch = self.builder.build_dummy(num_padded)
+        self.last_written_slots = batch.meta.slot_mapping  # all PAD_SLOT_ID unless legacy-broken
+        self.forward(batch)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, num_padded: int | None = None) -> RunnerOutput:
         batch = self.builder.build(sched, num_padded)
+        self.last_written_slots = batch.meta.slot_mapping[:batch.meta.num_tokens]
         hidden = self.forward(batch)
         out = RunnerOutput()
         requests = [r for r, _ in sched.scheduled]
@@ -76,10 +80,13 @@ class ModelRunner:
                 continue
             # Token t (t >= 1) is predicted by position t - 1; this chunk covers positions
             # [first, first + num_new) so it predicts prompt tokens [first + 1, first + num_new].
+            # After a preemption the prompt is recomputed; skip what was already sent.
+            begin = max(first, request.prompt_logprobs_sent - 1)
             last = min(first + num_new, request.num_prompt_tokens - 1)
-            if last <= first:
+            if last <= begin:
                 continue
-            rows = hidden[starts[row]:starts[row] + (last - first)]
+            offset = starts[row] + begin - first
+            rows = hidden[offset:offset + (last - begin)]
             logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            targets = request.all_token_ids[first + 1:last + 1]
+            targets = request.all_token_ids[begin + 1:last + 1]
             out.prompt_logprobs[request.key] = token_logprobs(logprobs, targets, num_top)

@@ -74,7 +74,7 @@ class RequestState:
     def process(self, out: EngineCoreOutput) -> bool:
         """Apply one engine output; True when a stop string ended the sample (abort it upstream)."""
         sample = self.samples[out.index]
-        if out.prompt_logprobs:
+        if out.prompt_logprobs and out.index == 0:  # every sample computes them; keep one copy
             self.prompt_logprobs.extend(out.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if sample.finish_reason is not None:
@@ -84,18 +84,19 @@ class RequestState:
             sample.token_ids.append(token)
             if out.new_logprobs:
                 sample.logprobs.append(out.new_logprobs[i])
+            before = len(sample.text)
             sample.text += sample.detokenizer.add(token)
-            if self.params.stop and self._check_stop_strings(sample):
+            if self.params.stop and self._check_stop_strings(sample, before):
                 stopped = True
                 break
         if not stopped and out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
         return stopped
 
-    def _check_stop_strings(self, sample: SampleState) -> bool:
-        # Only the tail can contain a new match: the last token's text plus the longest stop.
-        window = max(len(s) for s in self.params.stop) + 16
-        start = max(0, len(sample.text) - window)
+    def _check_stop_strings(self, sample: SampleState, before: int) -> bool:
+        # A new match must end inside the text just added, so it starts at most
+        # len(longest stop) - 1 characters before it.
+        start = max(0, before - max(len(s) for s in self.params.stop) + 1)
         for stop in self.params.stop:
             position = sample.text.find(stop, start)
             if position >= 0:

@@ -25,6 +25,8 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.eos_token_id = eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine: the model's end-of-turn ids
+        self.prompt_logprobs_sent = 1          # prompt tokens [1, this) already have logprobs sent
         self.arrival_time = arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0           # tokens whose K/V are in the cache

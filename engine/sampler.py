@@ -33,8 +33,8 @@ def _mask_for_min_tokens(logits: torch.Tensor, request: Request) -> None:
     params = request.params
     if request.num_output_tokens < params.min_tokens:
         banned = list(params.stop_token_ids)
-        if request.eos_token_id is not None and not params.ignore_eos:
-            banned.append(request.eos_token_id)
+        if not params.ignore_eos:
+            banned.extend(request.eos_token_ids)
         banned = [t for t in banned if t < logits.shape[-1]]
         if banned:
             logits[banned] = float("-inf")

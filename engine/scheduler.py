@@ -90,6 +90,8 @@ class Scheduler:
                 self.waiting.popleft()
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
+                if self.config.enable_prefix_caching and request.params.prompt_logprobs is None:
+                    self.kv.record_prefix_lookup(request.num_tokens, num_cached)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
@@ -120,9 +122,10 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.key, None)
 
-    def abort(self, request_id: str) -> list[Request]:
-        """Abort every sample of client request `request_id`; returns the aborted ones."""
-        aborted = [r for r in self.requests.values() if r.request_id == request_id]
+    def abort(self, request_id: str, index: int | None = None) -> list[Request]:
+        """Abort every sample (or sample `index`) of client request `request_id`."""
+        aborted = [r for r in self.requests.values()
+                   if r.request_id == request_id and (index is None or r.index == index)]
         for request in aborted:
             self.finish(request, "abort")
         return aborted

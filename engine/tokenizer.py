@@ -29,6 +29,7 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         eos_id = generation.get("eos_token_id", model_config.get("eos_token_id"))
+        self.eos_token_ids: list[int] = eos_id if isinstance(eos_id, list) else ([eos_id] if eos_id is not None else [])
         if isinstance(eos_id, list):
             eos_id = eos_id[0] if eos_id else None
         if eos_id is None and self.eos_token is not None:

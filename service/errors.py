@@ -77,6 +77,8 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         detail = (first.get("ctx") or {}).get("error", "")
         return error_response(400, f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
     param, _ = validation_param(tuple(first.get("loc", ())))
+    if param is None and first.get("type") == "missing":
+        return error_response(400, "request body is required (a JSON object)", None, "missing_body")
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return error_response(400, "request body must be a JSON object", None, "invalid_request")
     same_field = [e for e in errors if validation_param(tuple(e.get("loc", ())))[0] == param]

@@ -198,7 +198,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        if outcome:
+        if outcome and self.outcome == "ok":
             self.outcome = outcome
         for task in self._forwarders:
             task.cancel()
@@ -226,6 +226,9 @@ class Generation:
         if self.state.settings.log_prompts:
             fields["prompts_text"] = [p.text if p.text is not None else p.token_ids for p in self.prompts]
         log_event(logger, "request", **fields)
+
+    def close_stream(self) -> None:
+        self.close(None if self.finished else "client_disconnected")
 
     @property
     def prompt_tokens(self) -> int:

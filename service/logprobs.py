@@ -44,6 +44,11 @@ class TokenFormatter:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    @functools.lru_cache(maxsize=65536)
+    def text_length(self, token_id: int) -> int:
+        """Characters the token adds to the returned text (special tokens add none)."""
+        return len(self.tokenizer.decode([token_id], skip_special_tokens=True))
+
     # -- /v1/completions ------------------------------------------------------------------------
     def completion(self, entries: list[TokenLogprob | None], token_ids: list[int],
                    text_offset: int) -> CompletionLogprobs:
@@ -54,7 +59,7 @@ class TokenFormatter:
             token = self.text(token_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
-            offset += len(token)
+            offset += self.text_length(token_id)
             if entry is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)

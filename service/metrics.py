@@ -51,6 +51,8 @@ class EngineStatsCollector(Collector):
                             stats, lambda s: s.steps)
         yield self._counter("kvsentry_dummy_batches", "Dummy batches run by idle ranks during a wave.",
                             stats, lambda s: s.dummy_batches)
+        yield self._counter("kvsentry_padded_tokens", "Padding tokens added to batches (dummy batches included).",
+                            stats, lambda s: s.padded_tokens)
 
     def _labels(self, rank: int) -> list[str]:
         return [self.model_name, str(rank)]

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.messages import EngineCoreOutput, EngineRequest, Fault, StepStats
 from engine.tokenizer import Tokenizer
 from service.errors import APIError
+from service.logprobs import TokenFormatter
 from service.logs import log_event
 from service.metrics import Metrics
 
@@ -67,6 +68,7 @@ class AppState:
         self.client = client
         self.settings = settings
         self.tokenizer = tokenizer or Tokenizer(config.model.path)
+        self.formatter = TokenFormatter(self.tokenizer)
         self.metrics = Metrics(self.model_name, lambda: self.client.stats)
         eos = self.tokenizer.eos_token_id
         self.extra_eos_ids = [t for t in generation_eos_ids(config.model.path) if t != eos]

@@ -4,6 +4,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a second
+# thread mostly waits; rank subprocesses choose their own count.
+torch.set_num_threads(1)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -57,12 +57,13 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     scaling = hf.get("rope_scaling") or {}
     params.update({k: v for k, v in scaling.items() if k not in params})
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    params.setdefault("max_position_embeddings", hf.get("max_position_embeddings", 2048))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
     return params
 
 
-def inverse_frequencies(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(dim: int, params: dict[str, Any], max_positions: int = 2048) -> tuple[torch.Tensor, float]:
     """[dim // 2] float32 inverse frequencies and the attention scaling factor."""
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -84,8 +85,11 @@ def inverse_frequencies(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        from engine.models.deepseek import yarn_inverse_frequencies
+        return yarn_inverse_frequencies(dim, params, max_positions)
     raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r} "
-                     "(supported: default, linear, llama3)")
+                     "(supported: default, linear, llama3, yarn)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,7 +97,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, max_positions: int, params: dict[str, Any]):
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(dim, params)
+        inv_freq, scaling = inverse_frequencies(dim, params, params.get("max_position_embeddings", max_positions))
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)          # [max_positions, dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)           # [max_positions, dim]

@@ -22,12 +22,16 @@ class Attention(nn.Module):
         arch = mc.architecture
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
-        bias = arch == "Qwen2ForCausalLM" or arch == "Qwen2MoeForCausalLM" or bool(hf.get("attention_bias", False))
+        if arch == "Qwen2MoeForCausalLM":
+            bias = bool(hf.get("qkv_bias", True))
+        else:
+            bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
+        o_bias = bool(hf.get("attention_bias", False)) and not arch.startswith(("Qwen2", "Mixtral"))
         hidden = mc.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bool(hf.get("attention_bias", False)) and arch.startswith("Llama"))
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))

@@ -38,19 +38,7 @@ def make_qwen_moe_layer(config: EngineConfig, layer_index: int, ep: ExpertParall
             mlp = SparseMoeBlock(gate, experts, ep)
     else:
         mlp = SiluMLP(mc.hidden_size, hf["intermediate_size"])
-    layer = DecoderLayer(config, layer_index, mlp=mlp)
-    _match_hf_biases(layer.self_attn, mc.architecture, hf)
-    return layer
-
-
-def _match_hf_biases(attn: Attention, architecture: str, hf: dict) -> None:
-    """llama.Attention decides biases by architecture; align it with transformers' config flags:
-    Qwen2-MoE's q/k/v bias follows `qkv_bias`, Qwen3-MoE's o_proj bias follows `attention_bias`."""
-    if architecture == "Qwen2MoeForCausalLM" and not hf.get("qkv_bias", True):
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            proj.register_parameter("bias", None)
-    if architecture == "Qwen3MoeForCausalLM" and hf.get("attention_bias", False) and attn.o_proj.bias is None:
-        attn.o_proj = nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=True)
+    return DecoderLayer(config, layer_index, mlp=mlp)
 
 
 def qwen_moe_for_causal_lm(config: EngineConfig) -> MoECausalLM:

@@ -127,7 +127,6 @@ def test_expert_parallel_logits_match_single_process(case, ep_run):
             assert step_got.keys() == step_ref.keys()
             for key in step_ref:
                 assert torch.isfinite(step_got[key]).all()
-                print("EPDIFF", case, rank, key, (step_got[key] - step_ref[key]).abs().max().item())
                 assert (step_got[key] - step_ref[key]).abs().max().item() < EP_ATOL, (rank, key)
         assert ranks[rank][case]["null_block_zero"]
 

@@ -6,6 +6,8 @@ position's logits with transformers' logits for the whole sequence.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,8 +26,10 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
 
 CASES = {
     "mixtral": ("MixtralForCausalLM", {}),
-    "qwen2-moe": ("Qwen2MoeForCausalLM", {"num_hidden_layers": 3, "mlp_only_layers": [0]}),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 8, "decoder_sparse_step": 1}),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", {"num_hidden_layers": 4, "mlp_only_layers": [2]}),
+    "qwen2-moe-sparse-step-2": ("Qwen2MoeForCausalLM", {
+        "num_hidden_layers": 4, "decoder_sparse_step": 2, "qkv_bias": False, "norm_topk_prob": True}),
+    "qwen3-moe-attention-bias": ("Qwen3MoeForCausalLM", {"num_experts": 8, "attention_bias": True}),
     "deepseek-v2-group-limited-q-lora": ("DeepseekV2ForCausalLM", {
         "num_hidden_layers": 3, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
         "topk_method": "group_limited_greedy"}),
@@ -40,7 +44,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
+    made: dict[str, Path] = {}
 
     def get(case: str):
         if case not in made:
@@ -88,6 +92,22 @@ def test_batched_padded_decode_matches_unbatched(case, checkpoints):
         assert torch.equal(got.argmax(-1), alone[key].argmax(-1))
         assert (got - hf_logits(path, toks)).abs().max().item() < ATOL
     assert batched.null_block_is_zero() and batched.null_block_writes.item() == 0
+
+
+@pytest.mark.parametrize("case", ["mixtral", "deepseek-v3-noaux-q-lora", "deepseek-v2-greedy-no-q-lora-yarn"])
+def test_chunked_prefill_in_a_mixed_batch_matches_transformers(case, checkpoints):
+    """A prompt's second chunk attends over its cached first chunk while sharing
+    the step with another request's decode (not decode_only, padded)."""
+    path = checkpoints(case)
+    runner = PagedRunner(engine_config(path))
+    vocab = runner.config.model.vocab_size
+    chunked, other = random_tokens(30, vocab, seed=21), random_tokens(6, vocab, seed=22)
+    first = runner.step({"chunked": chunked[:17], "other": other[:5]}, pad_to=32)
+    second = runner.step({"chunked": chunked[17:], "other": other[5:]}, pad_to=32)
+    got = torch.cat([first["chunked"], second["chunked"]])
+    assert (got - hf_logits(path, chunked)).abs().max().item() < ATOL
+    got_other = torch.cat([first["other"], second["other"]])
+    assert (got_other - hf_logits(path, other)).abs().max().item() < ATOL
 
 
 def test_nan_in_mla_null_block_reaches_requests_reading_it(checkpoints):

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU check of csrc/, prepared for one run on a lent GPU (an H200: about 3-5 minutes):
+#   1. JIT-build the CUDA ops (engine/cuda_ops.py) into a fresh extension directory
+#   2. pytest -m gpu tests/gpu  (kernels vs the torch reference bit for bit, graphs, compile,
+#      and the whole engine on CUDA vs CPU, tiny Llama and tiny DeepSeek-V3)
+#   3. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
+#   4. a summary; exit 0 only when every step passed
+#
+# Logs, junit XML and the bandwidth JSON go to $OUT when set (the device tool brings that
+# folder back), else to build/gpu_check. Run from anywhere:
+#   scripts/gpu_check.sh
+#   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh    # a torch built with CUDA
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+OUT_DIR=${OUT:-build/gpu_check}
+mkdir -p "$OUT_DIR"
+T0=$(date +%s)
+declare -A STATUS SECONDS_TAKEN
+
+say() { printf '\n=== %s (t+%ss)\n' "$*" "$(( $(date +%s) - T0 ))"; }
+
+# A python whose torch sees a GPU: $PYTHON, the repo's venv, then what is on PATH.
+pick_python() {
+  local candidate
+  for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
+    [ -n "$candidate" ] || continue
+    command -v "$candidate" >/dev/null 2>&1 || continue
+    if "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# run_step NAME TIMEOUT_S LOG -- command...: records PASS/FAIL/TIMEOUT and the time taken.
+run_step() {
+  local name=$1 limit=$2 log=$3 start rc
+  shift 4
+  say "$name"
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$log"
+  rc=${PIPESTATUS[0]}
+  SECONDS_TAKEN[$name]=$(( $(date +%s) - start ))
+  case $rc in
+    0) STATUS[$name]=PASS ;;
+    124|137) STATUS[$name]="TIMEOUT (${limit}s)" ;;
+    *) STATUS[$name]="FAIL (exit $rc)" ;;
+  esac
+  return "$rc"
+}
+
+say "environment"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+else
+  echo "nvidia-smi: not on PATH"
+fi
+command -v nvcc >/dev/null && nvcc --version | tail -n 2
+command -v ninja >/dev/null && echo "ninja $(ninja --version)" || echo "ninja: not on PATH (pip install ninja; torch's JIT build needs it)"
+if ! PY=$(pick_python); then
+  echo "No python with a CUDA-enabled torch that sees a GPU (set PYTHON=...). Nothing checked."
+  exit 2
+fi
+"$PY" - <<'EOF'
+import sys, torch
+print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"{torch.cuda.get_device_name()} sm_{''.join(map(str, torch.cuda.get_device_capability()))}, "
+      f"{torch.cuda.device_count()} device(s)")
+EOF
+
+export KVSENTRY_EXTENSION_DIR=${KVSENTRY_EXTENSION_DIR:-$PWD/build/torch_extensions}
+export KVSENTRY_REQUIRE_CUDA_OPS=1          # a failed build is an error, never a silent fallback
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+  export TORCH_CUDA_ARCH_LIST
+fi
+echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS KVSENTRY_EXTENSION_DIR=$KVSENTRY_EXTENSION_DIR"
+
+run_step build 300 build.log -- "$PY" - <<'EOF'
+import time, torch
+t = time.time()
+from engine import cuda_ops
+path = cuda_ops.build(with_cuda=True, verbose=True)
+assert torch.ops.kvsentry.built_with_cuda(), "the loaded library is the CPU-only build"
+assert cuda_ops.available()
+print(f"built {path} in {time.time() - t:.1f}s")
+EOF
+
+if [ "${STATUS[build]}" = PASS ]; then
+  PYTEST_ARGS=(-m gpu tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml")
+  "$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST_ARGS+=(--timeout=180)
+  run_step tests 270 tests.log -- "$PY" -m pytest "${PYTEST_ARGS[@]}"
+  run_step bandwidth 150 bandwidth.log -- "$PY" benchmarks/kv_write_bandwidth.py --fp8 \
+    --json "$OUT_DIR/bandwidth.json"
+else
+  STATUS[tests]="SKIPPED (no build)"
+  STATUS[bandwidth]="SKIPPED (no build)"
+fi
+
+say "summary"
+overall=0
+for step in build tests bandwidth; do
+  printf '  %-10s %-22s %ss\n' "$step" "${STATUS[$step]}" "${SECONDS_TAKEN[$step]:--}"
+  [ "${STATUS[$step]}" = PASS ] || overall=1
+done
+if [ -f "$OUT_DIR/tests.log" ]; then
+  line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?)\b.* in [0-9.]+s' "$OUT_DIR/tests.log" | tail -n 1)
+  echo "  tests:     ${line:-no pytest summary line}"
+  case $line in *" passed"*) ;; *) overall=1; echo "  tests:     nothing passed: on a GPU machine that is a failure" ;; esac
+  grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | head -n 20 | sed 's/^/    /'
+fi
+if [ -f "$OUT_DIR/bandwidth.log" ]; then
+  target=$(grep '^target:' "$OUT_DIR/bandwidth.log")
+  echo "  bandwidth: ${target:-no target line}"
+  case $target in *PASS*) ;; *) overall=1 ;; esac
+fi
+[ "${STATUS[build]}" = PASS ] || tail -n 30 "$OUT_DIR/build.log" | sed 's/^/    build| /'
+echo "  logs:      $OUT_DIR  (total $(( $(date +%s) - T0 ))s)"
+exit "$overall"

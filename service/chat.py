@@ -1,0 +1,138 @@
+"""POST /v1/chat/completions: the checkpoint's chat template, then the same engine path."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service.errors import APIError, bad_request, error_body, from_value_error
+from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, new_request_id,
+                              run_unless_disconnected, sampling_params)
+from service.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                              ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                              DeltaMessage, UsageInfo)
+from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
+from service.sse import DONE, SSEResponse, event
+from service.state import AppState
+
+router = APIRouter()
+ROUTE = "/v1/chat/completions"
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages.{i}.content: only text parts are supported "
+                                      f"(got type {part.type!r})", f"messages.{i}.content")
+            content = [{"type": "text", "text": part.text} for part in content]
+        entry = {"role": message.role, "content": content if content is not None else ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def render_chat(state: AppState, messages: list[ChatMessage], add_generation_prompt: bool) -> PromptInput:
+    try:
+        text = state.tokenizer.apply_chat_template(template_messages(messages),
+                                                   add_generation_prompt=add_generation_prompt)
+    except ValueError as exc:
+        raise from_value_error(exc, "messages") from None
+    except jinja2.TemplateError as exc:
+        raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
+    try:
+        # The template writes the BOS token itself.
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+    except Exception as exc:
+        raise bad_request(f"messages: cannot be tokenized ({type(exc).__name__})", "messages") from None
+    return PromptInput(ids, text)
+
+
+@router.post(ROUTE, response_model=ChatCompletionResponse, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
+    state: AppState = request.app.state.kvsentry
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    prompt = render_chat(state, body.messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, state.config.max_model_len - len(prompt.token_ids))
+    check_prompt(state, prompt, max_tokens, param="messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=logprobs)
+    client_id = client_request_id(request)
+    gen = Generation(state, new_request_id("chatcmpl", client_id), ROUTE, [prompt], params, client_id)
+    gen.submit()
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)
+    try:
+        if not await run_unless_disconnected(request.receive, gen):
+            return Response(status_code=499)
+    except EngineFailed as exc:
+        gen.close("engine_error")
+        raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
+    finally:
+        gen.close()
+    choices = []
+    for sample in gen.states[0].samples:
+        logprobs_out = ChatLogprobs(content=state.formatter.chat(sample.logprobs)) if body.logprobs else None
+        choices.append(ChatChoice(index=sample.index, message=AssistantMessage(content=sample.text),
+                                  logprobs=logprobs_out, finish_reason=sample.finish_reason,
+                                  stop_reason=sample.stop_reason))
+    return ChatCompletionResponse(id=gen.request_id, created=created, model=state.model_name,
+                                  choices=choices, usage=_usage(gen))
+
+
+def _usage(gen: Generation) -> UsageInfo:
+    return UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                     total_tokens=gen.prompt_tokens + gen.completion_tokens)
+
+
+async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
+                  created: int) -> AsyncIterator[str]:
+    finished: set[int] = set()
+
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        return event(ChatCompletionChunk(id=gen.request_id, created=created, model=state.model_name,
+                                         choices=choices, usage=usage))
+
+    yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                 for j in range(body.n)])
+    try:
+        async for _ in gen.updates():
+            request_state = gen.states[0]
+            choices = []
+            for sample in request_state.samples:
+                if sample.index in finished:
+                    continue
+                text, tokens, entries = request_state.unsent(sample)
+                if not (text or sample.finish_reason or (tokens and body.logprobs)):
+                    continue
+                logprobs = ChatLogprobs(content=state.formatter.chat(entries)) if body.logprobs else None
+                if sample.finish_reason is not None:
+                    finished.add(sample.index)
+                choices.append(ChatChunkChoice(
+                    index=sample.index, delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                    logprobs=logprobs, finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason if sample.finish_reason else None))
+            if choices:
+                yield chunk(choices)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk([], _usage(gen))
+    except EngineFailed as exc:
+        gen.outcome = "engine_error"
+        failed = [ChatChunkChoice(index=j, delta=DeltaMessage(), finish_reason="error")
+                  for j in range(body.n) if j not in finished]
+        if failed:
+            yield chunk(failed)
+        yield event(error_body(500, f"the engine failed while serving this request: {exc}", None, "engine_error"))
+    yield DONE

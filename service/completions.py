@@ -1,0 +1,154 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service.errors import APIError, bad_request, error_body
+from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, new_request_id,
+                              run_unless_disconnected, sampling_params)
+from service.logprobs import merge
+from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                              CompletionResponse, UsageInfo)
+from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
+from service.sse import DONE, SSEResponse, event
+from service.state import AppState
+
+router = APIRouter()
+ROUTE = "/v1/completions"
+
+
+def encode_text(state: AppState, text: str, param: str = "prompt") -> list[int]:
+    try:
+        return state.tokenizer.encode(text)
+    except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot take
+        raise bad_request(f"{param}: cannot be tokenized ({type(exc).__name__})", param) from None
+
+
+def completion_prompts(state: AppState, prompt: str | list) -> list[PromptInput]:
+    if isinstance(prompt, str):
+        return [PromptInput(encode_text(state, prompt), prompt)]
+    if not prompt:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if isinstance(prompt[0], str):
+        return [PromptInput(encode_text(state, p), p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [PromptInput(list(prompt))]
+    return [PromptInput(list(p)) for p in prompt]
+
+
+def echo_text(state: AppState, prompt: PromptInput, skip_special: bool) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return state.tokenizer.decode(prompt.token_ids, skip_special)
+
+
+def prompt_logprobs(state: AppState, gen: Generation, index: int) -> CompletionLogprobs:
+    ids = gen.prompts[index].token_ids
+    entries = list(gen.states[index].prompt_logprobs)[:len(ids)]
+    entries += [None] * (len(ids) - len(entries))
+    return state.formatter.completion(entries, ids, 0)
+
+
+@router.post(ROUTE, response_model=CompletionResponse, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
+async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+    state: AppState = request.app.state.kvsentry
+    state.check_model(body.model)
+    prompts = completion_prompts(state, body.prompt)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise bad_request(f"n: {len(prompts)} prompts x n={body.n} choices exceed the limit of "
+                          f"{MAX_CHOICES} per request", "n")
+    limit = state.config.max_model_len
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, limit - max(len(p.token_ids) for p in prompts))
+    for p in prompts:
+        check_prompt(state, p, max_tokens)
+    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=body.logprobs,
+                             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    client_id = client_request_id(request)
+    gen = Generation(state, new_request_id("cmpl", client_id), ROUTE, prompts, params, client_id)
+    gen.submit()
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)
+    try:
+        if not await run_unless_disconnected(request.receive, gen):
+            return Response(status_code=499)
+    except EngineFailed as exc:
+        gen.close("engine_error")
+        raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
+    finally:
+        gen.close()
+    return _response(state, gen, body, created)
+
+
+def _response(state: AppState, gen: Generation, body: CompletionRequest, created: int) -> CompletionResponse:
+    choices = []
+    for i, (prompt, request_state) in enumerate(zip(gen.prompts, gen.states)):
+        prefix = echo_text(state, prompt, body.skip_special_tokens) if body.echo else ""
+        for sample in request_state.samples:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = prompt_logprobs(state, gen, i) if body.echo else CompletionLogprobs()
+                merge(logprobs, state.formatter.completion(sample.logprobs, sample.token_ids, len(prefix)))
+            choices.append(CompletionChoice(index=i * body.n + sample.index, text=prefix + sample.text,
+                                            logprobs=logprobs, finish_reason=sample.finish_reason,
+                                            stop_reason=sample.stop_reason))
+    return CompletionResponse(id=gen.request_id, created=created, model=state.model_name, choices=choices,
+                              usage=_usage(gen))
+
+
+def _usage(gen: Generation) -> UsageInfo:
+    return UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                     total_tokens=gen.prompt_tokens + gen.completion_tokens)
+
+
+async def _stream(state: AppState, gen: Generation, body: CompletionRequest, created: int) -> AsyncIterator[str]:
+    n = body.n
+    sent_chars: dict[int, int] = {}
+    finished: set[int] = set()
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return event(CompletionResponse(id=gen.request_id, created=created, model=state.model_name,
+                                        choices=choices, usage=usage))
+
+    try:
+        async for i in gen.updates():
+            request_state = gen.states[i]
+            choices = []
+            for sample in request_state.samples:
+                index = i * n + sample.index
+                if index in finished:
+                    continue
+                text, tokens, entries = request_state.unsent(sample)
+                first = index not in sent_chars
+                if not (text or sample.finish_reason or (tokens and body.logprobs is not None)):
+                    continue
+                prefix = echo_text(state, gen.prompts[i], body.skip_special_tokens) if body.echo and first else ""
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = prompt_logprobs(state, gen, i) if body.echo and first else CompletionLogprobs()
+                    offset = sent_chars.get(index, 0) + len(prefix)
+                    merge(logprobs, state.formatter.completion(entries, tokens, offset))
+                sent_chars[index] = sent_chars.get(index, 0) + len(prefix) + len(text)
+                if sample.finish_reason is not None:
+                    finished.add(index)
+                choices.append(CompletionChoice(
+                    index=index, text=prefix + text, logprobs=logprobs, finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason if sample.finish_reason else None))
+            if choices:
+                yield chunk(choices)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk([], _usage(gen))
+    except EngineFailed as exc:
+        gen.outcome = "engine_error"
+        failed = [CompletionChoice(index=i * n + j, text="", finish_reason="error")
+                  for i in range(len(gen.prompts)) for j in range(n) if i * n + j not in finished]
+        if failed:
+            yield chunk(failed)
+        yield event(error_body(500, f"the engine failed while serving this request: {exc}", None, "engine_error"))
+    yield DONE

@@ -1,0 +1,131 @@
+"""The NaN sentinel finds poison within its promised bound and the policies act on it."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.kv_cache import layer_tensors
+from engine.messages import EngineRequest, Fault
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def make_core(path: str, **kwargs) -> EngineCore:
+    args = dict(max_model_len=256, block_size=8, num_gpu_blocks=40, nan_scan_blocks_per_step=4)
+    args.update(kwargs)
+    return EngineCore(EngineConfig.create(path, **args))
+
+
+def nan_values(core: EngineCore) -> dict[tuple[int, str], int]:
+    return {(layer, region): v for layer, region, v in core.stats().nan_values if v}
+
+
+def drain(core: EngineCore) -> list:
+    outs = []
+    while core.has_unfinished:
+        outs += core.step()
+    return outs
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3"])
+def path(request, checkpoint):
+    return checkpoint(request.param)
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_poison_found_within_coverage_bound(path, kind):
+    core = make_core(path)
+    bound = core.sentinel.coverage_steps
+    assert bound == -(-39 // 4)
+    rng = random.Random(kind)
+    is_mla = core.config.model.is_mla
+    for trial in range(6):
+        layer = rng.randrange(core.config.model.num_layers)
+        block = 0 if trial == 0 else rng.randrange(1, core.config.num_blocks)
+        target = "latent" if is_mla else rng.choice(["k", "v"])
+        core.inject_fault(Fault(kind, layer=layer, block=block, target=target))
+        region = "null_block" if block == 0 else "allocated"
+        for steps in range(1, bound + 1):
+            core.run_dummy(4)
+            if nan_values(core).get((layer, region)):
+                break
+        else:
+            pytest.fail(f"{kind} in layer {layer} block {block} not found within {bound} steps")
+        assert nan_values(core) == {(layer, region): 1}
+        assert dict(core.stats().nan_detections)[region] >= 1
+        core.sentinel.zero_block(block)  # clean up for the next trial
+        core.run_dummy(1)
+        core.run_dummy(1)
+        for _ in range(bound):
+            core.run_dummy(1)
+        assert nan_values(core) == {}
+
+
+def test_clean_traffic_reports_nothing(checkpoint):
+    core = make_core(checkpoint("tiny-llama"), nan_sentinel="rolling")
+    rng = random.Random(0)
+    steps = 0
+    while steps < 2000:
+        if rng.random() < 0.2:
+            core.add_request(EngineRequest(f"r{steps}", [rng.randrange(5, 500) for _ in range(rng.randrange(1, 30))],
+                                           SamplingParams(temperature=1.0, max_tokens=rng.randrange(1, 20),
+                                                          ignore_eos=True)))
+        if core.has_unfinished and rng.random() < 0.7:
+            core.step()
+        else:
+            core.run_dummy(rng.choice([1, 2, 4, 8]))
+        steps += 1
+    drain(core)
+    stats = core.stats()
+    assert all(v == 0 for _, _, v in stats.nan_values)
+    assert dict(stats.nan_detections) == {"null_block": 0, "allocated": 0}
+    assert stats.null_block_writes == 0 and stats.corrupted_requests == 0
+
+
+def test_heal_aborts_owners_zeroes_block_and_forgets_prefix(checkpoint):
+    core = make_core(checkpoint("tiny-llama"), nan_policy="heal", nan_sentinel="full")
+    shared = list(range(20, 36))  # two full blocks of 8
+    core.add_request(EngineRequest("a", shared + [40], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)))
+    core.add_request(EngineRequest("b", [50, 51, 52], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)))
+    core.step()
+    victim_block = core.scheduler.requests["a#0"].block_ids[0]
+    core.inject_fault(Fault("nan", layer=1, block=victim_block, target="v"))
+    outs = core.step()
+    errors = {o.request_id for o in outs if o.finish_reason == "error"}
+    assert errors == {"a"}, "exactly the owner of the poisoned block is aborted"
+    assert "b#0" in core.scheduler.requests, "other requests keep running"
+    for entry in core.runner.kv_caches:
+        for t in layer_tensors(entry):
+            assert torch.count_nonzero(t[victim_block]) == 0
+    assert core.heals >= 1 and core.corrupted_requests == 1
+    # A later request with the same prefix must not reuse the poisoned block.
+    core.add_request(EngineRequest("c", shared + [41], GREEDY))
+    core.step()
+    assert victim_block not in core.scheduler.requests["c#0"].block_ids[:1]
+    drain(core)
+    assert core.scheduler.kv.pool.num_free_blocks == core.config.num_blocks - 1
+
+
+def test_heal_zeroes_poisoned_null_block(checkpoint):
+    core = make_core(checkpoint("tiny-llama"), nan_policy="heal")
+    core.inject_fault(Fault("legacy_dummy"))
+    core.run_dummy(8)  # the old broken dummy batch: writes garbage into block 0
+    assert core.stats().null_block_writes > 0
+    assert core.heals == 1
+    for entry in core.runner.kv_caches:
+        for t in layer_tensors(entry):
+            assert torch.count_nonzero(t[0]) == 0
+
+
+def test_fail_policy_trips_and_count_policy_does_not(checkpoint):
+    for policy, tripped in (("fail", True), ("count", False)):
+        core = make_core(checkpoint("tiny-llama"), nan_policy=policy)
+        core.inject_fault(Fault("inf", layer=0, block=0, target="k"))
+        core.run_dummy(1)
+        assert core.stats().nan_policy_tripped is tripped
+        assert nan_values(core) == {(0, "null_block"): 1}

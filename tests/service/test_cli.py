@@ -1,0 +1,108 @@
+"""`kvsentry` command line: every flag documented and wired to the engine config; the demo default."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from service import cli, demo, server
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_cli_and_settings_agree_on_the_body_limit():
+    from service.state import DEFAULT_MAX_BODY_BYTES
+    assert cli.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
+
+
+def test_every_argument_has_help():
+    for parser in (cli.build_parser(), serve_parser()):
+        for action in parser._actions:
+            assert action.help and action.help != argparse.SUPPRESS, action.option_strings or action.dest
+
+
+def test_help_lists_every_flag():
+    text = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], capture_output=True,
+                          text=True, check=True).stdout
+    for action in serve_parser()._actions:
+        for option in action.option_strings:
+            assert option in text
+    top = subprocess.run([sys.executable, "-m", "service.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "serve" in top and "generate" in top
+
+
+@pytest.fixture
+def captured(monkeypatch, tmp_path):
+    """Runs `kvsentry serve ...` up to the point where it would start serving."""
+    monkeypatch.setenv("KVSENTRY_CACHE_DIR", str(tmp_path / "cache"))
+    calls = {}
+    monkeypatch.setattr(server, "run", lambda config, client, settings, host, port: calls.update(
+        config=config, settings=settings, host=host, port=port) or 0)
+    monkeypatch.setattr(server, "run_headless", lambda config: calls.update(headless=config) or 0)
+    monkeypatch.setattr("engine.async_client.AsyncEngineClient.__init__", lambda self, config, **kw: None)
+    return calls
+
+
+def test_flags_reach_the_engine_config(captured, llama_path):
+    code = cli.main(["serve", llama_path, "--port", "9999", "--host", "127.0.0.2", "--max-model-len", "256",
+                     "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                     "--kv-cache-memory", "32MiB", "--dtype", "float32", "--device", "cpu",
+                     "--no-enable-prefix-caching", "--seed", "3", "--threads", "1", "--nan-sentinel", "full",
+                     "--nan-scan-blocks-per-step", "8", "--nan-policy", "heal", "--data-parallel-size", "2",
+                     "--data-parallel-size-local", "1", "--data-parallel-start-rank", "0",
+                     "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", "31000",
+                     "--served-model-name", "a", "b", "--api-key", "k", "--max-queued-requests", "7",
+                     "--shutdown-timeout", "3", "--health-stall-timeout", "9", "--log-prompts",
+                     "--enable-fault-injection", "--max-request-body-bytes", "1000", "--log-level", "warning"])
+    assert code == 0
+    config, settings = captured["config"], captured["settings"]
+    assert (captured["host"], captured["port"]) == ("127.0.0.2", 9999)
+    assert (config.max_model_len, config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == \
+        (256, 32, 8, 512)
+    assert not config.enable_prefix_caching and config.seed == 3 and config.num_threads == 1
+    assert (config.nan_sentinel, config.nan_scan_blocks_per_step, config.nan_policy) == ("full", 8, "heal")
+    p = config.parallel
+    assert (p.data_parallel_size, p.data_parallel_size_local, p.data_parallel_rpc_port) == (2, 1, 31000)
+    assert settings.served_model_names == ("a", "b") and settings.api_key == "k"
+    assert (settings.max_queued_requests, settings.shutdown_timeout, settings.health_stall_timeout) == (7, 3.0, 9.0)
+    assert settings.log_prompts and settings.enable_fault_injection and settings.max_body_bytes == 1000
+
+
+def test_no_model_serves_the_demo_with_two_ranks(captured, tmp_path):
+    assert cli.main(["serve"]) == 0
+    config, settings = captured["config"], captured["settings"]
+    assert config.parallel.data_parallel_size == 2
+    assert config.model.architecture == "DeepseekV3ForCausalLM"
+    assert config.model.path.startswith(str(tmp_path / "cache"))
+    assert settings.served_model_names == (demo.DEFAULT_DEMO_PRESET,)
+    assert cli.main(["serve", "--data-parallel-size", "1"]) == 0
+    assert captured["config"].parallel.data_parallel_size == 1
+
+
+def test_headless_runs_only_the_local_ranks(captured, llama_path):
+    assert cli.main(["serve", llama_path, "--headless", "--data-parallel-size", "2",
+                     "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1"]) == 0
+    assert "run" not in captured or "config" not in captured
+    assert captured["headless"].parallel.data_parallel_start_rank == 1
+
+
+def test_bad_engine_arguments_exit_2(captured, llama_path, capsys):
+    assert cli.main(["serve", llama_path, "--block-size", "3"]) == 2
+    assert "block_size" in capsys.readouterr().err
+    assert cli.main(["serve", "/nonexistent/model"]) == 2
+
+
+def test_demo_checkpoint_is_written_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSENTRY_CACHE_DIR", str(tmp_path))
+    first = demo.default_demo_path("tiny-llama")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = demo.default_demo_path("tiny-llama")
+    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (first / "config.json").is_file() and (first / "tokenizer.json").is_file()
+    assert not [p for p in first.parent.iterdir() if p.name.startswith(".")], "no scratch left behind"

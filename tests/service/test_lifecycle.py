@@ -1,0 +1,146 @@
+"""Lifecycle with real processes: client disconnects abort upstream, a full queue answers
+503, SIGTERM drains and exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.service.conftest import MAIN_MAX_QUEUED, MAIN_STALL_TIMEOUT
+from tests.service.server_process import ServerProcess
+
+LONG = {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True}
+
+
+def open_stream(server: ServerProcess, client: httpx.Client, body: dict):
+    """Start a streaming completion and read its first event; returns (context, line iterator)."""
+    context = client.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                            headers=server.headers)
+    response = context.__enter__()
+    assert response.status_code == 200
+    lines = (line for line in response.iter_lines() if line)
+    assert next(lines).startswith("data: {")
+    return context, lines
+
+
+def aborts(server: ServerProcess) -> float:
+    return sum(server.metric("kvsentry_request_success_total", finished_reason="abort"))
+
+
+def test_streaming_disconnect_aborts_upstream(server):
+    server.wait_idle()
+    before = aborts(server)
+    with httpx.Client(timeout=30) as client:
+        context, _ = open_stream(server, client, LONG)
+        context.__exit__(None, None, None)  # hang up mid-stream
+    started = time.monotonic()
+    server.wait_idle(timeout=5)
+    assert time.monotonic() - started < 5
+    assert aborts(server) == before + 1
+
+
+def test_non_streaming_disconnect_aborts_upstream(server):
+    server.wait_idle()
+    before = aborts(server)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=LONG, headers=server.headers, timeout=1.0)
+    server.wait_idle(timeout=5)
+    assert aborts(server) == before + 1
+    log = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+    assert any(e.get("outcome") == "client_disconnected" for e in log if e.get("event") == "request")
+
+
+def test_full_queue_answers_503_with_retry_after(server):
+    server.wait_idle()
+    with httpx.Client(timeout=30) as client:
+        streams = [open_stream(server, client, LONG) for _ in range(MAIN_MAX_QUEUED)]
+        try:
+            response = client.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                   headers=server.headers)
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "queue_full"
+            assert httpx.get(f"{server.url}/health").status_code == 200  # busy is not unhealthy
+        finally:
+            for context, _ in streams:
+                context.__exit__(None, None, None)
+    server.wait_idle(timeout=10)
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=server.headers,
+                    timeout=30)
+    assert ok.status_code == 200
+    assert server.metric("kvsentry_requests_rejected_total", reason="queue_full")[0] >= 1
+
+
+def wait_status(url: str, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := httpx.get(url, timeout=5).status_code) != status:
+        assert time.monotonic() < deadline, f"{url} stayed {got}, wanted {status}"
+        time.sleep(0.1)
+
+
+def test_wedged_rank_turns_health_503(server):
+    server.wait_idle()
+    [rank] = server.rank_pids()
+    with httpx.Client(timeout=30) as client:
+        context, _ = open_stream(server, client, LONG)
+        os.kill(rank, signal.SIGSTOP)  # alive but making no progress
+        try:
+            wait_status(f"{server.url}/health", 503, timeout=MAIN_STALL_TIMEOUT + 10)
+            assert "no progress" in httpx.get(f"{server.url}/health").json()["error"]["message"]
+            assert httpx.get(f"{server.url}/ready").status_code == 503
+        finally:
+            os.kill(rank, signal.SIGCONT)
+        wait_status(f"{server.url}/health", 200, timeout=10)
+        context.__exit__(None, None, None)
+    server.wait_idle(timeout=10)
+    wait_status(f"{server.url}/ready", 200, timeout=5)
+
+
+def read_events(lines) -> list:
+    events = []
+    for line in lines:
+        payload = line.removeprefix("data: ")
+        if payload == "[DONE]":
+            events.append("[DONE]")
+            break
+        events.append(json.loads(payload))
+    return events
+
+
+def test_sigterm_drains_then_exits_zero(checkpoint, tmp_path):
+    # Long context so the "slow" request cannot finish within the drain timeout, however fast the CPU.
+    model = checkpoint("tiny-llama", max_position_embeddings=32768)
+    proc = ServerProcess(model, "--max-model-len", "32768", "--shutdown-timeout", "8", log_dir=tmp_path)
+    try:
+        proc.wait_ready()
+        with httpx.Client(timeout=60) as client:
+            short_ctx, short = open_stream(proc, client, {"prompt": "short", "max_tokens": 20, "ignore_eos": True})
+            long_ctx, long = open_stream(proc, client, {"prompt": "long", "max_tokens": 30000, "ignore_eos": True})
+            proc.signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{proc.url}/ready").status_code != 503:
+                assert time.monotonic() < deadline, "/ready did not fail while draining"
+                time.sleep(0.05)
+            refused = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                 headers=proc.headers, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            assert httpx.get(f"{proc.url}/health").status_code == 200
+
+            finished = read_events(short)
+            assert finished[-1] == "[DONE]"
+            assert finished[-2]["choices"][0]["finish_reason"] == "length"  # in flight: allowed to finish
+            aborted = read_events(long)
+            assert aborted[-1] == "[DONE]"
+            assert aborted[-2]["choices"][0]["finish_reason"] == "abort"  # past --shutdown-timeout
+            short_ctx.__exit__(None, None, None)
+            long_ctx.__exit__(None, None, None)
+        assert proc.wait(timeout=30) == 0
+        assert not proc.rank_pids()
+        events = [json.loads(line).get("event") for line in proc.log_text().splitlines() if line.startswith("{")]
+        assert "draining" in events and "drain_timeout" in events
+    finally:
+        proc.stop()

@@ -1,0 +1,56 @@
+"""schemathesis fuzzes the app's own OpenAPI schema in-process (ASGI): no input may
+produce a 5xx, and every response must match its documented schema.
+
+One test drives every operation itself (instead of `schema.parametrize()`), because the
+ASGI lifespan - which owns the engine's rank process - lives exactly as long as one test.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from engine.async_client import AsyncEngineClient
+from engine.config import EngineConfig
+from service.app import build_app
+from service.state import AppState, ServeSettings
+from tests.service.server_process import free_port_run
+
+MAX_EXAMPLES = 25
+MODEL_NAME = "fuzz"
+
+
+@pytest.fixture(scope="module")
+def app(llama_path):
+    config = EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="16MiB", num_threads=1,
+                                 data_parallel_rpc_port=free_port_run())
+    settings = ServeSettings(served_model_names=(MODEL_NAME,), max_queued_requests=10_000)
+    state = AppState(config, AsyncEngineClient(config), settings)
+    return build_app(state)
+
+
+def test_no_input_breaks_the_api(app):
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)  # starts the lifespan (and the engine)
+    state: AppState = app.state.kvsentry
+    deadline = time.monotonic() + 120
+    while not state.client.ready:
+        assert state.dead_reason is None, state.dead_reason
+        assert time.monotonic() < deadline, "engine did not start"
+        time.sleep(0.1)
+
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize"}
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case) -> None:
+            case.call_and_validate(checks=[not_a_server_error, response_schema_conformance])
+
+        check()
+    assert state.dead_reason is None
+    assert not state.in_flight
