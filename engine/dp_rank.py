@@ -131,6 +131,19 @@ class RankLoop:
         self.send(outputs=outputs, stats=core.stats())
 
 
+def _shutdown_pending(inputs: zmq.Socket) -> bool:
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        if inputs.poll(50):
+            try:
+                if isinstance(decoder.decode(inputs.recv()), Shutdown):
+                    return True
+            except (zmq.ZMQError, msgspec.DecodeError):
+                return False
+    return False
+
+
 def default_threads(config: EngineConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, config.parallel.data_parallel_size_local))
 
@@ -145,6 +158,7 @@ def run_rank(config: EngineConfig, rank: int) -> None:
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 2000)
     outputs.connect(output_addr)
+    inputs = None
     try:
         size = config.parallel.data_parallel_size
         if size > 1:
@@ -159,6 +173,8 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         inputs.send(msgspec.msgpack.encode(RankReady(rank, config.num_blocks, os.getpid())))
         RankLoop(core, inputs, outputs, lockstep=size > 1 and config.model.is_moe).run()
     except BaseException as exc:  # report why, then die: the group must not hang on us
+        if inputs is not None and _shutdown_pending(inputs):
+            os._exit(0)  # a peer left first because the front end is stopping us all
         reason = f"{type(exc).__name__}: {exc}"
         traceback.print_exc(file=sys.stderr)
         try:

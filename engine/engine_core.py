@@ -5,6 +5,8 @@ Works on token ids only; detokenization and stop strings live in the front end
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 
 import torch
@@ -15,6 +17,19 @@ from engine.model_runner import ModelRunner, RunnerOutput
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sentinel import NaNSentinel
+
+
+_DIGEST = os.environ.get("KVSENTRY_TEST_CACHE_DIGEST") == "1"
+
+
+def cache_digest(kv_caches) -> str:
+    """Hash of every byte of the cache (tests: proves a rank's cache is bitwise unchanged)."""
+    from engine.kv_cache import layer_tensors
+    digest = hashlib.blake2b(digest_size=16)
+    for entry in kv_caches:
+        for t in layer_tensors(entry):
+            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:
@@ -198,4 +213,5 @@ class EngineCore:
             nan_detections=list(self.sentinel.detections.items()),
             heals=self.heals, scan_seconds=self.sentinel.take_scan_seconds(),
             scan_coverage_steps=self.sentinel.coverage_steps,
-            nan_policy_tripped=self.nan_policy_tripped)
+            nan_policy_tripped=self.nan_policy_tripped,
+            cache_digest=cache_digest(self.runner.kv_caches) if _DIGEST else "")

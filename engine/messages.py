@@ -80,6 +80,8 @@ class StepStats(msgspec.Struct, array_like=True):
     scan_seconds: list[float] = []
     scan_coverage_steps: int = 0
     nan_policy_tripped: bool = False
+    # Test hook (KVSENTRY_TEST_CACHE_DIGEST=1): blake2b of every byte of the rank's KV cache.
+    cache_digest: str = ""
 
 
 class RankReady(msgspec.Struct, tag=True):

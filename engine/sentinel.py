@@ -45,32 +45,42 @@ class NaNSentinel:
         return 0
 
     def _scan(self, block_ids: torch.Tensor) -> torch.Tensor:  # [num_layers, len(block_ids)]
-        per_layer = []
-        for entry in self.kv_caches:
-            total = None
+        """Non-finite values per (layer, block). A block's float sum is non-finite iff the
+        block holds a NaN or Inf (cache values are far from overflow), so one cheap pass
+        flags blocks and only flagged blocks get an exact count."""
+        counts = torch.zeros(self.num_layers, len(block_ids), dtype=torch.int64)
+        first, last = int(block_ids[0]), int(block_ids[-1])
+        contiguous = last - first + 1 == len(block_ids)
+        for layer, entry in enumerate(self.kv_caches):
             for cache in layer_tensors(entry):
-                bad = (~torch.isfinite(cache.index_select(0, block_ids.to(cache.device)))).flatten(1).sum(1)
-                total = bad if total is None else total + bad
-            per_layer.append(total)
-        return torch.stack(per_layer).cpu()
+                blocks = cache[first:last + 1] if contiguous else cache.index_select(0, block_ids.to(cache.device))
+                sums = blocks.flatten(1).sum(1, dtype=torch.float32)        # [len(block_ids)]
+                flagged = torch.nonzero(~torch.isfinite(sums)).flatten()
+                if flagged.numel():
+                    exact = (~torch.isfinite(blocks[flagged])).flatten(1).sum(1).cpu()
+                    counts[layer, flagged.cpu()] += exact
+        return counts
 
     def step(self, written_slots: torch.Tensor | None = None, block_size: int = 1) -> list[int]:
         """Scan for this step; returns the non-null blocks newly found poisoned."""
         if not self.enabled:
             return []
         start = time.perf_counter()
-        ids = [NULL_BLOCK_ID]
+        groups = [[NULL_BLOCK_ID]]  # each group is scanned as one (contiguous where possible) slice
         if self.mode == "full":
-            ids = list(range(self.num_blocks))
+            groups = [list(range(self.num_blocks))]
         elif self.mode == "rolling":
             end = min(self.cursor + self.budget, self.num_blocks)
-            ids += range(self.cursor, end)
-            self.cursor = 1 if end >= self.num_blocks else end
+            groups.append(list(range(self.cursor, end)))
             if written_slots is not None and written_slots.numel():
-                written = torch.unique(written_slots[written_slots >= 0] // block_size).tolist()
-                ids = sorted(set(ids) | set(written))
+                written = set(torch.unique(written_slots[written_slots >= 0] // block_size).tolist())
+                written -= {NULL_BLOCK_ID, *groups[1]}
+                if written:
+                    groups.append(sorted(written))
+            self.cursor = 1 if end >= self.num_blocks else end
+        ids = [b for group in groups for b in group]
         index = torch.tensor(ids, dtype=torch.int64)
-        counts = self._scan(index)                     # [num_layers, len(ids)]
+        counts = torch.cat([self._scan(torch.tensor(g, dtype=torch.int64)) for g in groups], dim=1)
         previous = self.counts[:, index]
         self.counts[:, index] = counts
         newly = ((counts.sum(0) > 0) & (previous.sum(0) == 0)).tolist()

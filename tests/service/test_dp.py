@@ -19,6 +19,7 @@ PROMPTS = ["Hello, my name is", "the model of a server", "1 2 3", "key value cac
 def dp_server(moe_path, tmp_path_factory):
     proc = ServerProcess(moe_path, "--data-parallel-size", "2", "--max-model-len", "512",
                          "--served-model-name", "moe", "--threads", "1",
+                         "--enable-fault-injection", "--nan-policy", "fail",
                          log_dir=tmp_path_factory.mktemp("dp-logs"), api_key=None)
     try:
         yield proc.wait_ready()
@@ -49,6 +50,24 @@ def test_dp2_chat_streaming(dp_server):
                                                  max_tokens=8, stream=True, n=2, seed=1))
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     dp_server.wait_idle()
+
+
+def test_nan_policy_fail_takes_the_server_out_of_rotation(dp_server):
+    log = [json.loads(line) for line in dp_server.log_text().splitlines() if line.startswith("{")]
+    num_blocks = next(e["num_blocks"] for e in log if e.get("event") == "engine_ready")
+    # A block no request will be given soon, found by the rolling sweep within a few dozen steps.
+    fault = {"rank": 0, "kind": "nan", "layer": 0, "block": num_blocks - 1, "target": "latent"}
+    response = httpx.post(f"{dp_server.url}/debug/fault", json=fault, timeout=10)
+    assert response.status_code == 200, response.text
+    assert httpx.post(f"{dp_server.url}/debug/fault", json={**fault, "rank": 5}, timeout=10).status_code == 400
+    assert httpx.get(f"{dp_server.url}/ready").status_code == 200
+    client = dp_server.openai()
+    deadline = time.monotonic() + 60
+    while (ready := httpx.get(f"{dp_server.url}/ready")).status_code == 200:
+        assert time.monotonic() < deadline, "the NaN policy never tripped"
+        client.completions.create(model="moe", prompt="x", max_tokens=64, extra_body={"ignore_eos": True})
+    assert ready.status_code == 503 and "NaN policy" in ready.json()["error"]["message"]
+    assert httpx.get(f"{dp_server.url}/health").status_code == 200  # out of rotation, not restarted
 
 
 def test_killing_a_rank_fails_requests_and_exits_nonzero(dp_server):

@@ -222,3 +222,13 @@ def test_unknown_model_is_404(openai_client):
     with pytest.raises(openai.NotFoundError) as info:
         openai_client.completions.create(model="gpt-nope", prompt=PROMPT, max_tokens=2)
     assert info.value.body["param"] == "model"
+
+
+def test_stop_strings_with_n_stop_each_sample_upstream(server, openai_client):
+    stops = [" ", "e", "a"]
+    out = openai_client.completions.create(model=MAIN_MODEL_NAME, prompt=PROMPT, n=2, seed=11, max_tokens=3000,
+                                           stop=stops, extra_body={"ignore_eos": True})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] in stops
+        assert not any(s in choice.text for s in stops)
+    server.wait_idle(timeout=3)  # both samples were stopped in the engine, not left to run 3000 tokens
