@@ -43,4 +43,6 @@ def load_model(config: EngineConfig) -> nn.Module:
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint {config.model.path} lacks weights: {', '.join(sorted(missing)[:8])}")
-    return model.to(config.model.dtype).eval()
+    model = model.to(config.model.dtype).eval()
+    model.prepare_for_inference()
+    return model

@@ -46,7 +46,17 @@ class SiluMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+        self.gate_up_t: torch.Tensor | None = None  # [hidden, 2 * intermediate], see fuse()
+
+    def fuse(self) -> None:
+        """One [hidden, 2I] matmul instead of two: one pass over the activations."""
+        if self.gate_proj.bias is None and self.gate_proj.weight.device.type == "cpu":
+            self.gate_up_t = torch.cat([self.gate_proj.weight, self.up_proj.weight]).t().contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_t is not None:
+            gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
