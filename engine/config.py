@@ -168,7 +168,8 @@ class EngineConfig:
     # Token counts a step is padded up to (like CUDA-graph capture sizes).
     pad_buckets: tuple[int, ...] = ()
     nan_sentinel: str = "rolling"  # off | null-block | rolling | full
-    nan_scan_blocks_per_step: int = 64
+    nan_scan_blocks_per_step: int = 32
+    nan_scan_written_blocks: bool = False  # rolling mode: also scan every block the step wrote
     nan_policy: str = "count"  # count | heal | fail
     num_threads: int = 0  # torch threads per rank; 0 = cores / local ranks
 

@@ -52,7 +52,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config)
-        self.sentinel = NaNSentinel(config, self.runner.kv_caches)
+        self.sentinel = NaNSentinel(config, self.runner.kv_storage)
         self.heals = 0
         self._eos_ids = frozenset(config.model.eos_token_ids)
         self.nan_policy_tripped = False

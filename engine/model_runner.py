@@ -7,7 +7,7 @@ import torch
 
 from engine.batch_builder import BatchBuilder, StepBatch
 from engine.config import EngineConfig
-from engine.kv_cache import allocate_kv_cache
+from engine.kv_cache import allocate_kv_storage, layer_views
 from engine.loader import load_model
 from engine.messages import TokenLogprob
 from engine.models.layers import StepContext
@@ -28,7 +28,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config)
-        self.kv_caches = allocate_kv_cache(config)
+        self.kv_storage = allocate_kv_storage(config)   # every layer in one tensor (see kv_cache.py)
+        self.kv_caches = layer_views(self.kv_storage, config.model.is_mla)
         self.builder = BatchBuilder(config)
         self.sampler = Sampler(config.seed)
         # Device-side count of cache writes whose slot fell in the null block.

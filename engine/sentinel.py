@@ -15,19 +15,24 @@ import time
 import torch
 
 from engine.config import EngineConfig, NULL_BLOCK_ID
-from engine.kv_cache import layer_tensors
+from engine.kv_cache import block_axis
 
 
 class NaNSentinel:
-    def __init__(self, config: EngineConfig, kv_caches: list):
+    def __init__(self, config: EngineConfig, storage: torch.Tensor):
         self.mode = config.nan_sentinel
-        self.kv_caches = kv_caches
+        self.is_mla = config.model.is_mla
+        self.axis = block_axis(self.is_mla)
+        # [num_blocks, num_layers, (2,) block_size, ...]: blocks first, so a block range is one slice.
+        self.by_block = storage.movedim(self.axis, 0)
         self.num_blocks = config.num_blocks
-        self.num_layers = len(kv_caches)
+        self.num_layers = config.model.num_layers
         self.budget = max(1, config.nan_scan_blocks_per_step)
+        self.scan_written = config.nan_scan_written_blocks
         self.cursor = 1
         # Non-finite values per (layer, block) as of the last time the block was scanned.
         self.counts = torch.zeros(self.num_layers, self.num_blocks, dtype=torch.int64)
+        self.any_counted = False
         self.detections = {"null_block": 0, "allocated": 0}
         self.scan_seconds: list[float] = []
 
@@ -44,57 +49,73 @@ class NaNSentinel:
             return -(-(self.num_blocks - 1) // self.budget)
         return 0
 
-    def _scan(self, block_ids: torch.Tensor) -> torch.Tensor:  # [num_layers, len(block_ids)]
-        """Non-finite values per (layer, block). A block's float sum is non-finite iff the
-        block holds a NaN or Inf (cache values are far from overflow), so one cheap pass
-        flags blocks and only flagged blocks get an exact count."""
-        counts = torch.zeros(self.num_layers, len(block_ids), dtype=torch.int64)
-        first, last = int(block_ids[0]), int(block_ids[-1])
-        contiguous = last - first + 1 == len(block_ids)
-        for layer, entry in enumerate(self.kv_caches):
-            for cache in layer_tensors(entry):
-                blocks = cache[first:last + 1] if contiguous else cache.index_select(0, block_ids.to(cache.device))
-                sums = blocks.flatten(1).sum(1, dtype=torch.float32)        # [len(block_ids)]
-                flagged = torch.nonzero(~torch.isfinite(sums)).flatten()
-                if flagged.numel():
-                    exact = (~torch.isfinite(blocks[flagged])).flatten(1).sum(1).cpu()
-                    counts[layer, flagged.cpu()] += exact
-        return counts
+    def _scan(self, ids: list[int]) -> torch.Tensor | None:
+        """[num_layers, len(ids)] non-finite counts, or None when all clean.
+
+        A block's float sum is non-finite iff it holds a NaN or Inf (cache values are far
+        from overflow), so one reduction over every layer with a single host sync clears
+        the common all-clean case; only a dirty scan counts values exactly. A contiguous
+        id range is a slice of the storage, anything else an index_select."""
+        if ids[-1] - ids[0] + 1 == len(ids):
+            blocks = self.by_block[ids[0]:ids[-1] + 1]
+        else:
+            blocks = self.by_block.index_select(0, torch.tensor(ids, device=self.by_block.device))
+        inner = tuple(range(2, blocks.dim()))  # reduce in place: the block-major view is strided
+        sums = blocks.sum(dim=inner, dtype=torch.float32)  # [n, num_layers]
+        if bool(torch.isfinite(sums).all()):
+            return None
+        return (~torch.isfinite(blocks)).sum(dim=inner).t().cpu()
+
+    def _targets(self, written_slots: torch.Tensor | None, block_size: int) -> list[list[int]]:
+        """This step's groups of block ids: the null block, the sweep window, written blocks."""
+        if self.mode == "full":
+            return [list(range(self.num_blocks))]
+        groups = [[NULL_BLOCK_ID]]
+        if self.mode == "rolling":
+            end = min(self.cursor + self.budget, self.num_blocks)
+            window = list(range(self.cursor, end))
+            if self.cursor == NULL_BLOCK_ID + 1:
+                groups = [[NULL_BLOCK_ID] + window]
+            else:
+                groups.append(window)
+            self.cursor = 1 if end >= self.num_blocks else end
+            if self.scan_written and written_slots is not None and written_slots.numel():
+                seen = {b for g in groups for b in g}
+                written = set(torch.unique(written_slots[written_slots >= 0] // block_size).tolist()) - seen
+                if written:
+                    groups.append(sorted(written))
+        return groups
 
     def step(self, written_slots: torch.Tensor | None = None, block_size: int = 1) -> list[int]:
         """Scan for this step; returns the non-null blocks newly found poisoned."""
         if not self.enabled:
             return []
         start = time.perf_counter()
-        groups = [[NULL_BLOCK_ID]]  # each group is scanned as one (contiguous where possible) slice
-        if self.mode == "full":
-            groups = [list(range(self.num_blocks))]
-        elif self.mode == "rolling":
-            end = min(self.cursor + self.budget, self.num_blocks)
-            groups.append(list(range(self.cursor, end)))
-            if written_slots is not None and written_slots.numel():
-                written = set(torch.unique(written_slots[written_slots >= 0] // block_size).tolist())
-                written -= {NULL_BLOCK_ID, *groups[1]}
-                if written:
-                    groups.append(sorted(written))
-            self.cursor = 1 if end >= self.num_blocks else end
-        ids = [b for group in groups for b in group]
-        index = torch.tensor(ids, dtype=torch.int64)
-        counts = torch.cat([self._scan(torch.tensor(g, dtype=torch.int64)) for g in groups], dim=1)
-        previous = self.counts[:, index]
-        self.counts[:, index] = counts
-        newly = ((counts.sum(0) > 0) & (previous.sum(0) == 0)).tolist()
-        poisoned = [b for b, new in zip(ids, newly) if new]
-        for block in poisoned:
-            self.detections["null_block" if block == NULL_BLOCK_ID else "allocated"] += 1
+        groups = self._targets(written_slots, block_size)
+        results = [self._scan(g) for g in groups]
+        poisoned: list[int] = []
+        if self.any_counted or any(r is not None for r in results):
+            ids = [b for g in groups for b in g]
+            counts = torch.cat([r if r is not None else torch.zeros(self.num_layers, len(g), dtype=torch.int64)
+                                for g, r in zip(groups, results)], dim=1)
+            index = torch.tensor(ids, dtype=torch.int64)
+            previous = self.counts[:, index]
+            self.counts[:, index] = counts
+            newly = ((counts.sum(0) > 0) & (previous.sum(0) == 0)).tolist()
+            poisoned = [b for b, new in zip(ids, newly) if new]
+            for block in poisoned:
+                self.detections["null_block" if block == NULL_BLOCK_ID else "allocated"] += 1
+            self.any_counted = bool(self.counts.any())
         self.scan_seconds.append(time.perf_counter() - start)
         return [b for b in poisoned if b != NULL_BLOCK_ID]
 
     @property
     def null_block_poisoned(self) -> bool:
-        return bool(self.counts[:, NULL_BLOCK_ID].any())
+        return self.any_counted and bool(self.counts[:, NULL_BLOCK_ID].any())
 
     def poisoned_blocks(self) -> list[int]:
+        if not self.any_counted:
+            return []
         return torch.nonzero(self.counts[:, 1:].sum(0)).flatten().add(1).tolist()
 
     def values(self) -> list[tuple[int, str, int]]:
@@ -105,10 +126,9 @@ class NaNSentinel:
                 + [(layer, "allocated", v) for layer, v in enumerate(allocated)])
 
     def zero_block(self, block_id: int) -> None:
-        for entry in self.kv_caches:
-            for cache in layer_tensors(entry):
-                cache[block_id].zero_()
+        self.by_block[block_id].zero_()
         self.counts[:, block_id] = 0
+        self.any_counted = bool(self.counts.any())
 
     def take_scan_seconds(self) -> list[float]:
         seconds, self.scan_seconds = self.scan_seconds, []

@@ -1,0 +1,66 @@
+"""Throughput cost of the NaN sentinel: the same offline workload with the sentinel off
+and in each mode, interleaved over several rounds in one run (median per mode).
+
+    .venv/bin/python benchmarks/sentinel_overhead.py [--model DIR] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+MODES = ["off", "null-block", "rolling", "full"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="checkpoint dir (default: write the bench-llama preset)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = args.model
+    if path is None:
+        from engine.demo_checkpoint import write_preset
+        path = tempfile.mkdtemp(prefix="bench-llama-")
+        write_preset(path, "bench-llama")
+    from engine import LLM, SamplingParams
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 32000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    # One engine, one cache allocation: only the sentinel's mode changes between runs, so
+    # memory placement and allocator state cannot masquerade as sentinel cost.
+    llm = LLM(path, max_model_len=1024, kv_cache_memory=args.kv_cache_memory,
+              nan_sentinel="rolling", enable_prefix_caching=False)
+    sentinel = llm.engine.sentinel
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            sentinel.mode = mode
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            seconds[mode].append(time.perf_counter() - start)
+    generated = args.requests * args.new_tokens
+    blocks = llm.config.num_blocks
+    sentinel.mode = "rolling"
+    coverage = sentinel.coverage_steps
+    print(f"workload: {args.requests} x {args.prompt_len} prompt x {args.new_tokens} new tokens, "
+          f"{blocks} KV blocks (rolling sweep covers all in {coverage} steps), {args.rounds} rounds")
+    base = statistics.median(seconds["off"])
+    print(f"{'sentinel':<12}{'median s':>10}{'tok/s':>10}{'vs off':>10}")
+    for mode in MODES:
+        med = statistics.median(seconds[mode])
+        print(f"{mode:<12}{med:>10.3f}{generated / med:>10.1f}{(base / med - 1) * 100:>+9.1f}%")
+
+
+if __name__ == "__main__":
+    main()
