@@ -178,3 +178,15 @@ def test_kv_writer_signatures_stay_backward_compatible():
     kv_writer.write_kv(key, value, k_cache, v_cache, torch.arange(6), counter)  # the engine's call
     kv_writer.write_kv_reference(key, value, k_cache, v_cache, torch.arange(6), counter)
     assert counter.item() == 8
+
+
+def test_available_is_a_constant_under_torch_compile():
+    """Dynamo cannot trace the cached build behind available(); it must be evaluated eagerly and
+    baked in (torch.compiler.assume_constant_result), or write_kv breaks fullgraph compiles on GPU."""
+    assert getattr(cuda_ops.available, "_dynamo_marked_constant", False)
+
+    def step(x):
+        return x + 1 if cuda_ops.available() else x - 1
+
+    torch._dynamo.reset()
+    assert torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [0.0, 0.0]
