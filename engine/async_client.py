@@ -29,6 +29,9 @@ class AsyncEngineClient:
         self.procs = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        # Called with every StepStats as it arrives (e.g. to feed histograms that must see
+        # each observation, like the sentinel's scan durations).
+        self.stats_listeners: list = []
 
     # -- what the service reads ------------------------------------------------------------
     @property
@@ -124,6 +127,9 @@ class AsyncEngineClient:
         while True:
             frames = await sock.recv_multipart()
             outputs, replies = self.state.handle(frames[-1])
+            if self.state.last_stats is not None:
+                for listener in self.stats_listeners:
+                    listener(self.state.last_stats)
             for out in outputs:
                 queue = self.queues.get(out.request_id)
                 if queue is not None:

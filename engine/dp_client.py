@@ -50,6 +50,7 @@ class ClientState:
         self.last_progress = time.monotonic()
         self.stats: dict[int, StepStats] = {}
         self.dead_reason: str | None = None
+        self.last_stats: StepStats | None = None  # the stats carried by the last handled message
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineMessage)
 
@@ -93,6 +94,7 @@ class ClientState:
         """Decode one rank message: (outputs for requests, messages to send back)."""
         msg = self.decoder.decode(raw)
         now = time.monotonic()
+        self.last_stats = msg.stats if isinstance(msg, EngineOutputs) else None
         if isinstance(msg, RankReady):
             self.ready_ranks.add(msg.rank)
             self.last_seen[msg.rank] = now
