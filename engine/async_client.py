@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.dp_client import (ClientState, EngineDeadError, dead_process_reason, spawn_local_ranks,
-                              stop_processes)
+from engine.dp_client import (ClientState, EngineDeadError, dead_process_reason, killed_process_reason,
+                              spawn_local_ranks, stop_processes)
 from engine.dp_rank import endpoints, rank_identity
 from engine.messages import EngineCoreOutput, EngineRequest, Fault, Shutdown, StepStats
 
@@ -79,10 +79,11 @@ class AsyncEngineClient:
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._send(self.state.broadcast(Shutdown()))
-        except Exception:
-            pass
+        for rank, payload in self.state.broadcast(Shutdown()):
+            try:
+                self.inputs.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # that rank is gone: still tell the others
         for task in self._tasks:
             task.cancel()
         await asyncio.to_thread(stop_processes, self.procs)
@@ -139,12 +140,12 @@ class AsyncEngineClient:
             if replies:
                 await self._send(replies)
             if self.dead_reason:
-                self._die(self.dead_reason)
+                self._die(killed_process_reason(self.procs, self.config) or self.dead_reason)
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            reason = dead_process_reason(self.procs, self.config)
+            reason = killed_process_reason(self.procs, self.config) or dead_process_reason(self.procs, self.config)
             if reason is None and self.state.ready:
                 silent = self.state.silent_ranks()
                 if silent:
@@ -154,8 +155,9 @@ class AsyncEngineClient:
                 return
 
     def _die(self, reason: str) -> None:
-        if self.state.dead_reason is None:
-            self.state.dead_reason = reason
+        killed = killed_process_reason(self.procs, self.config)
+        if self.state.dead_reason is None or killed:
+            self.state.dead_reason = killed or reason
         error = EngineDeadError(self.state.dead_reason)
         for queue in self.queues.values():
             queue.put_nowait(error)

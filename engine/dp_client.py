@@ -146,6 +146,16 @@ def spawn_local_ranks(config: EngineConfig) -> list[mp.Process]:
     return procs
 
 
+def killed_process_reason(procs: list[mp.Process], config: EngineConfig) -> str | None:
+    """A local rank killed by a signal: the root cause, even when a survivor reported first
+    (its collective failed because of the kill)."""
+    for i, proc in enumerate(procs):
+        if proc.exitcode is not None and proc.exitcode < 0:
+            rank = config.parallel.data_parallel_start_rank + i
+            return f"DP rank {rank} (pid {proc.pid}) was killed by signal {-proc.exitcode}"
+    return None
+
+
 def dead_process_reason(procs: list[mp.Process], config: EngineConfig) -> str | None:
     for i, proc in enumerate(procs):
         if proc.exitcode is not None:
@@ -200,7 +210,8 @@ class DPEngineClient:
                 raise EngineDeadError(f"DP rank {rank} is unreachable: {exc}") from exc
 
     def _check_alive(self) -> None:
-        reason = self.state.dead_reason or dead_process_reason(self.procs, self.config)
+        reason = (killed_process_reason(self.procs, self.config) or self.state.dead_reason
+                  or dead_process_reason(self.procs, self.config))
         if reason:
             self.close()
             raise EngineDeadError(reason)
@@ -236,10 +247,11 @@ class DPEngineClient:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        try:
-            self._send(self.state.broadcast(Shutdown()))
-        except (zmq.ZMQError, EngineDeadError):
-            pass
+        for rank, payload in self.state.broadcast(Shutdown()):
+            try:
+                self.inputs.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # that rank is gone: still tell the others
         stop_processes(self.procs)
         self.inputs.close(0)
         self.outputs.close(0)

@@ -32,6 +32,12 @@ def cache_digest(kv_caches) -> str:
     return digest.hexdigest()
 
 
+def null_block_nonzero(kv_caches) -> int:
+    from engine.kv_cache import layer_tensors
+    return sum(int(t[0].contiguous().view(torch.uint8).count_nonzero())
+               for entry in kv_caches for t in layer_tensors(entry))
+
+
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:
     num_prompt = len(request.prompt_token_ids)
     if num_prompt == 0:
@@ -214,4 +220,5 @@ class EngineCore:
             heals=self.heals, scan_seconds=self.sentinel.take_scan_seconds(),
             scan_coverage_steps=self.sentinel.coverage_steps,
             nan_policy_tripped=self.nan_policy_tripped,
-            cache_digest=cache_digest(self.runner.kv_caches) if _DIGEST else "")
+            cache_digest=cache_digest(self.runner.kv_caches) if _DIGEST else "",
+            null_block_nonzero=null_block_nonzero(self.runner.kv_caches) if _DIGEST else -1)

@@ -7,7 +7,6 @@ Rank processes are *spawned*, so anything that builds a DP LLM must run under an
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import random
 import socket
@@ -80,25 +79,6 @@ def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list
                                        eos_token_id=None, pad_token_id=0)
             outputs.append(generated[0, len(prompt):].tolist())
     return outputs
-
-
-def zeros_digest(num_bytes_per_tensor: list[int]) -> str:
-    """What engine_core.cache_digest returns for an all-zero cache of these tensor sizes."""
-    digest = hashlib.blake2b(digest_size=16)
-    for n in num_bytes_per_tensor:
-        digest.update(bytes(n))
-    return digest.hexdigest()
-
-
-def cache_tensor_bytes(config) -> list[int]:
-    """Byte size of every cache tensor of one rank, in cache_digest's order."""
-    mc = config.model
-    elem = torch.empty((), dtype=mc.dtype).element_size()
-    if mc.is_mla:
-        return [config.num_blocks * config.block_size * (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
-                ] * mc.num_layers
-    per = config.num_blocks * config.block_size * mc.num_kv_heads * mc.head_dim * elem
-    return [per, per] * mc.num_layers
 
 
 # -- driving the sync DP client request by request -----------------------------------------------
