@@ -14,11 +14,10 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.dp_client import (ClientState, EngineDeadError, dead_process_reason, killed_process_reason,
-                              spawn_local_ranks, stop_processes)
+                              send_shutdown, spawn_local_ranks, stop_processes)
 from engine.dp_rank import endpoints, rank_identity
-from engine.messages import EngineCoreOutput, EngineRequest, Fault, Shutdown, StepStats
+from engine.messages import EngineRequest, Fault, StepStats
 
-OutputQueue = "asyncio.Queue[EngineCoreOutput | Exception]"
 
 
 class AsyncEngineClient:
@@ -79,11 +78,7 @@ class AsyncEngineClient:
         if self._closed:
             return
         self._closed = True
-        for rank, payload in self.state.broadcast(Shutdown()):
-            try:
-                self.inputs.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # that rank is gone: still tell the others
+        send_shutdown(self.inputs, self.state)
         for task in self._tasks:
             task.cancel()
         await asyncio.to_thread(stop_processes, self.procs)

@@ -135,6 +135,15 @@ class ClientState:
         return [r for r in range(self.size) if now - self.last_seen[r] > RANK_SILENCE_SECONDS]
 
 
+def send_shutdown(router: zmq.Socket, state: ClientState) -> None:
+    """Tell every rank to stop; a rank that is already gone must not stop the others hearing it."""
+    for rank, payload in state.broadcast(Shutdown()):
+        try:
+            router.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
 def spawn_local_ranks(config: EngineConfig) -> list[mp.Process]:
     p = config.parallel
     ctx = mp.get_context("spawn")
@@ -247,11 +256,7 @@ class DPEngineClient:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        for rank, payload in self.state.broadcast(Shutdown()):
-            try:
-                self.inputs.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # that rank is gone: still tell the others
+        send_shutdown(self.inputs, self.state)
         stop_processes(self.procs)
         self.inputs.close(0)
         self.outputs.close(0)

@@ -80,7 +80,10 @@ class RankLoop:
         if os.getppid() != self.parent:  # our launcher died: do not linger as an orphan
             self.running = False
             return
-        self.send(stats=self.core.stats())
+        # An idle rank still watches its cache: poison that arrives while nothing runs
+        # (a stray write, an injected fault) is found within one heartbeat.
+        self.core.idle_scan()
+        self.send(outputs=self.core.take_pending(), stats=self.core.stats())
 
     def drain(self) -> None:
         while self.running and self.inputs.poll(0):

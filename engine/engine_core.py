@@ -129,6 +129,11 @@ class EngineCore:
         self.runner.run_dummy(num_padded)
         self._watch_cache()
 
+    def idle_scan(self) -> None:
+        """A sentinel pass between steps (idle ranks call it on every heartbeat)."""
+        self.runner.last_written_slots = None
+        self._watch_cache()
+
     def _watch_cache(self) -> None:
         """Run the sentinel over what this step wrote, then apply the NaN policy."""
         poisoned = self.sentinel.step(self.runner.last_written_slots, self.config.block_size)

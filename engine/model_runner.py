@@ -11,7 +11,6 @@ from engine.kv_cache import allocate_kv_storage, layer_views
 from engine.loader import load_model
 from engine.messages import TokenLogprob
 from engine.models.layers import StepContext
-from engine.request import Request
 from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import SchedulerOutput
 

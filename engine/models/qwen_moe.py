@@ -5,12 +5,11 @@ dense layers use the ordinary `intermediate_size` MLP.
 """
 from __future__ import annotations
 
-from torch import nn
 
 from engine.config import EngineConfig
 from engine.models.expert_parallel import ExpertParallel
 from engine.models.layers import SiluMLP
-from engine.models.llama import Attention, DecoderLayer
+from engine.models.llama import DecoderLayer
 from engine.models.moe import (GatedSharedExpertMoeBlock, MoECausalLM, SoftmaxTopKRouter,
                                SparseMoeBlock, StackedExperts)
 
