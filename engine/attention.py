@@ -28,6 +28,20 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_seq_len: int
     decode_only: bool                # every real request has exactly one query token
+    # Leading requests with exactly one query token (the scheduler puts them first): they
+    # attend in one batched call, only the rest (prefill chunks) one by one.
+    num_decodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_decodes is None:
+            starts, count = self.query_start_loc_cpu, 0
+            while count < self.num_reqs and starts[count + 1] - starts[count] == 1:
+                count += 1
+            self.num_decodes = count
+
+    @property
+    def max_decode_seq_len(self) -> int:
+        return max(self.seq_lens_cpu[:self.num_decodes], default=0)
 
 
 def gather_kv(cache: torch.Tensor,         # [num_blocks, block_size, *rest]
@@ -65,17 +79,17 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
         return out
     block_size = key_cache.shape[1]
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    if meta.decode_only:
-        num_read = -(-meta.max_seq_len // block_size)
-        tables = meta.block_tables[:meta.num_reqs, :num_read]
+    decodes = meta.num_decodes
+    if decodes:  # one query token each, so their query rows are [0, decodes)
+        num_read = -(-meta.max_decode_seq_len // block_size)
+        tables = meta.block_tables[:decodes, :num_read]
         k = gather_kv(key_cache, tables).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_kv(value_cache, tables).transpose(1, 2)
-        q = query[:meta.num_reqs].unsqueeze(2)  # [B, H, 1, D]
+        q = query[:decodes].unsqueeze(2)  # [B, H, 1, D]
         positions = torch.arange(k.shape[2], device=query.device)
-        allowed = (positions[None, :] < meta.seq_lens[:meta.num_reqs, None]).view(meta.num_reqs, 1, 1, -1)
-        out[:meta.num_reqs] = _attend(q, k, v, allowed, scale).squeeze(2)
-        return out
-    for i in range(meta.num_reqs):
+        allowed = (positions[None, :] < meta.seq_lens[:decodes, None]).view(decodes, 1, 1, -1)
+        out[:decodes] = _attend(q, k, v, allowed, scale).squeeze(2)
+    for i in range(decodes, meta.num_reqs):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
         num_new = q_end - q_start
         num_read = -(-seq_len // block_size)

@@ -97,6 +97,8 @@ class Scheduler:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
             self.waiting.extendleft(reversed(skipped))
+        # One-token (decode) requests first: attention batches that leading run in one call.
+        out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
 
     def _preempt(self, request: Request) -> None:

@@ -173,19 +173,17 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)       # [T, H, rope], [T, rope]
         cache = ctx.kv_caches[self.layer_index]               # [num_blocks, block_size, kv_lora_rank + rope]
         write_mla(kv_c, k_pe, cache, ctx.meta.slot_mapping, ctx.null_block_writes)
-        if ctx.meta.decode_only:
-            out = self._decode(q_nope, q_pe, cache, ctx.meta)
-        else:
-            out = self._prefill(q_nope, q_pe, cache, ctx.meta)
+        out = self._decode(q_nope, q_pe, cache, ctx.meta)
+        self._prefill(q_nope, q_pe, cache, ctx.meta, out)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H, v_dim]
-        """Per request: expand its latents to per-head keys/values, causal attention."""
-        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
+                 meta: AttentionMetadata, out: torch.Tensor) -> None:  # out: [T, H, v_dim]
+        """Requests past the leading decodes, one by one: expand their latents to per-head
+        keys/values, causal attention."""
         block_size = cache.shape[1]
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for i in range(meta.num_reqs):
+        for i in range(meta.num_decodes, meta.num_reqs):
             q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
             num_new = q_end - q_start
             latent = gather_kv(cache, meta.block_tables[i:i + 1, :-(-seq_len // block_size)])[0]  # [L, D]
@@ -201,17 +199,16 @@ class MLAAttention(nn.Module):
             attn = _attend(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
                            value.transpose(0, 1)[None], allowed, self.scale)     # [1, H, n, v]
             out[q_start:q_end] = attn[0].transpose(0, 1)
-        return out
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H, v_dim]
         """One query per request, batched: kv_b_proj folded into q and the output, so every
         head attends over the shared latent vectors themselves (q.k = q_nope W_uk . kv_c + q_pe . k_pe)."""
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
-        num_reqs = meta.num_reqs
+        num_reqs = meta.num_decodes  # the leading one-token requests (rows [0, num_reqs))
         if num_reqs == 0:
             return out
-        num_read = -(-meta.max_seq_len // cache.shape[1])
+        num_read = -(-meta.max_decode_seq_len // cache.shape[1])
         latent = gather_kv(cache, meta.block_tables[:num_reqs, :num_read])           # [B, L, R + rope]
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]              # [H, nope|v, R]

@@ -118,14 +118,14 @@ def test_fcfs_admission_order():
     reqs = [req(f"r{i}", 6, max_tokens=2, base=20 * i) for i in range(4)]
     for r in reqs:
         s.add(r)
-    first_seen = []
+    admitted = []  # the order requests join the running batch (the step's list puts decodes first)
     while s.has_unfinished:
         out = s.schedule()
-        for r, _ in out.scheduled:
-            if r.key not in first_seen:
-                first_seen.append(r.key)
+        for r in s.running:
+            if r.key not in admitted:
+                admitted.append(r.key)
         fake_update(s, out)
-    assert first_seen == [r.key for r in reqs]
+    assert admitted == [r.key for r in reqs]
 
 
 def test_fcfs_big_head_blocks_small_followers():
