@@ -15,9 +15,9 @@ from engine.messages import Fault
 from service import __version__
 from service.chat import render_chat
 from service.chat import router as chat_router
-from service.completions import encode_text
 from service.completions import router as completions_router
 from service.errors import APIError, bad_request, error_response, from_value_error, install_error_handlers
+from service.generate import encode
 from service.metrics import CONTENT_TYPE
 from service.middleware import FrontDoor
 from service.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, FaultRequest, ModelCard,
@@ -60,13 +60,8 @@ def build_app(state: AppState) -> FastAPI:
             if not body.messages:
                 raise bad_request("messages: must not be empty", "messages")
             ids = render_chat(state, body.messages, body.add_generation_prompt).token_ids
-        elif body.add_special_tokens:
-            ids = encode_text(state, body.prompt)
         else:
-            try:
-                ids = state.tokenizer.encode(body.prompt, add_special_tokens=False)
-            except Exception as exc:
-                raise bad_request(f"prompt: cannot be tokenized ({type(exc).__name__})", "prompt") from None
+            ids = encode(state, body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=state.config.max_model_len, tokens=ids,
                                 token_strs=[state.formatter.text(t) for t in ids])
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.errors import APIError, bad_request, error_body
-from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, new_request_id,
+from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, encode, new_request_id,
                               run_unless_disconnected, sampling_params)
 from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -21,20 +21,13 @@ router = APIRouter()
 ROUTE = "/v1/completions"
 
 
-def encode_text(state: AppState, text: str, param: str = "prompt") -> list[int]:
-    try:
-        return state.tokenizer.encode(text)
-    except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot take
-        raise bad_request(f"{param}: cannot be tokenized ({type(exc).__name__})", param) from None
-
-
 def completion_prompts(state: AppState, prompt: str | list) -> list[PromptInput]:
     if isinstance(prompt, str):
-        return [PromptInput(encode_text(state, prompt), prompt)]
+        return [PromptInput(encode(state, prompt), prompt)]
     if not prompt:
         raise bad_request("prompt: must not be empty", "prompt")
     if isinstance(prompt[0], str):
-        return [PromptInput(encode_text(state, p), p) for p in prompt]
+        return [PromptInput(encode(state, p), p) for p in prompt]
     if isinstance(prompt[0], int):
         return [PromptInput(list(prompt))]
     return [PromptInput(list(p)) for p in prompt]
@@ -70,7 +63,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = sampling_params(state, body, max_tokens=max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     client_id = client_request_id(request)
-    gen = Generation(state, new_request_id("cmpl", client_id), ROUTE, prompts, params, client_id)
+    gen = Generation(state, new_request_id("cmpl", client_id), ROUTE, prompts, params, client_id,
+                     request.scope.get("state"))
     gen.submit()
     created = int(time.time())
     if body.stream:
@@ -112,9 +106,11 @@ async def _stream(state: AppState, gen: Generation, body: CompletionRequest, cre
     sent_chars: dict[int, int] = {}
     finished: set[int] = set()
 
-    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-        return event(CompletionResponse(id=gen.request_id, created=created, model=state.model_name,
-                                        choices=choices, usage=usage))
+    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+        # Plain dicts: a pydantic model per streamed token costs more than the token's other work.
+        return event({"id": gen.request_id, "object": "text_completion", "created": created,
+                      "model": state.model_name, "choices": choices,
+                      "usage": usage.model_dump() if usage else None})
 
     try:
         async for i in gen.updates():
@@ -137,16 +133,17 @@ async def _stream(state: AppState, gen: Generation, body: CompletionRequest, cre
                 sent_chars[index] = sent_chars.get(index, 0) + len(prefix) + len(text)
                 if sample.finish_reason is not None:
                     finished.add(index)
-                choices.append(CompletionChoice(
-                    index=index, text=prefix + text, logprobs=logprobs, finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason if sample.finish_reason else None))
+                choices.append({"index": index, "text": prefix + text,
+                                "logprobs": logprobs.model_dump() if logprobs else None,
+                                "finish_reason": sample.finish_reason,
+                                "stop_reason": sample.stop_reason if sample.finish_reason else None})
             if choices:
                 yield chunk(choices)
         if body.stream_options and body.stream_options.include_usage:
             yield chunk([], _usage(gen))
     except EngineFailed as exc:
         gen.outcome = "engine_error"
-        failed = [CompletionChoice(index=i * n + j, text="", finish_reason="error")
+        failed = [{"index": i * n + j, "text": "", "logprobs": None, "finish_reason": "error", "stop_reason": None}
                   for i in range(len(gen.prompts)) for j in range(n) if i * n + j not in finished]
         if failed:
             yield chunk(failed)

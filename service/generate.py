@@ -39,6 +39,16 @@ def new_request_id(prefix: str, client_id: str | None) -> str:
     return f"{prefix}-{client_id or uuid.uuid4().hex}"
 
 
+def encode(state: AppState, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+    if len(text) > state.max_prompt_chars:
+        raise bad_request(f"{param}: {len(text)} characters cannot fit in this model's maximum context "
+                          f"length of {state.config.max_model_len} tokens", param, "context_length_exceeded")
+    try:
+        return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot take
+        raise bad_request(f"{param}: cannot be tokenized ({type(exc).__name__})", param) from None
+
+
 def check_prompt(state: AppState, prompt: PromptInput, max_tokens: int, param: str = "prompt") -> None:
     ids = prompt.token_ids
     if not ids:
@@ -74,8 +84,6 @@ def sampling_params(state: AppState, req: SamplingFields, *, max_tokens: int, lo
     stop_ids = list(req.stop_token_ids or [])
     if any(t >= state.config.model.vocab_size for t in stop_ids):
         raise bad_request(f"stop_token_ids: must be in [0, {state.config.model.vocab_size})", "stop_token_ids")
-    if not req.ignore_eos:
-        stop_ids += [t for t in state.extra_eos_ids if t not in stop_ids]
     kwargs["stop_token_ids"] = stop_ids
     try:
         return SamplingParams(**kwargs)
@@ -85,23 +93,24 @@ def sampling_params(state: AppState, req: SamplingFields, *, max_tokens: int, lo
 
 class Generation:
     def __init__(self, state: AppState, request_id: str, route: str, prompts: list[PromptInput],
-                 params: SamplingParams, client_request_id: str):
+                 params: SamplingParams, client_request_id: str, scope_state: dict | None = None):
         self.state = state
         self.request_id = request_id
         self.route = route
         self.prompts = prompts
         self.params = params
         self.client_request_id = client_request_id
+        self.scope_state = scope_state if scope_state is not None else {}  # "logged" tells the middleware
         suffix = uuid.uuid4().hex[:8]
         self.engine_ids = [f"{request_id}-{i}-{suffix}" for i in range(len(prompts))]
         self.states = [RequestState(eid, p.token_ids, params, state.tokenizer)
                        for eid, p in zip(self.engine_ids, prompts)]
         self.arrival = time.monotonic()
-        self._events: asyncio.Queue = asyncio.Queue()
+        self._queues: list[asyncio.Queue] = []
+        self._events: asyncio.Queue = asyncio.Queue()  # (prompt index, output) of every queue, P > 1
         self._forwarders: list[asyncio.Task] = []
         self._submitted: list[str] = []
         self._first_output = [False] * len(prompts)
-        self._stopped_here = [False] * len(prompts)  # a stop string ended a sample the engine still runs
         self._first_token: float | None = None
         self._last_token: dict[tuple[int, int], float] = {}
         self._closed = False
@@ -117,9 +126,11 @@ class Generation:
                                         eos_token_id=state.tokenizer.eos_token_id, arrival_time=time.time())
                 queue = state.client.add_request(request)
                 self._submitted.append(engine_id)
+                self._queues.append(queue)
                 state.in_flight.add(engine_id)
-                state.metrics.prompt_tokens.labels(state.model_name).inc(len(prompt.token_ids))
-                self._forwarders.append(asyncio.get_running_loop().create_task(self._forward(i, queue)))
+                state.metrics.series.prompt_tokens.inc(len(prompt.token_ids))
+                if len(self.prompts) > 1:
+                    self._forwarders.append(asyncio.get_running_loop().create_task(self._forward(i, queue)))
         except ValueError as exc:
             self.close("rejected")
             raise from_value_error(exc, "prompt") from None
@@ -127,7 +138,7 @@ class Generation:
             self.close("engine_error")
             raise APIError(503, f"engine is not running: {exc}", None, "engine_dead",
                            headers={"Retry-After": "1"}) from None
-        state.metrics.in_flight.labels(state.model_name).set(len(state.in_flight))
+        state.metrics.series.in_flight.set(len(state.in_flight))
 
     async def _forward(self, index: int, queue: asyncio.Queue) -> None:
         while True:
@@ -143,8 +154,9 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[int]:
         """Yield the prompt index of each state change until every sample has finished."""
+        single = self._queues[0] if len(self._queues) == 1 else None
         while not self.finished:
-            index, item = await self._events.get()
+            index, item = (0, await single.get()) if single is not None else await self._events.get()
             if isinstance(item, Exception):
                 raise EngineFailed(str(item) or type(item).__name__)
             request_state = self.states[index]
@@ -152,36 +164,35 @@ class Generation:
                 continue
             self._observe(index, item)
             before = [s.finish_reason for s in request_state.samples]
-            if request_state.process(item):
-                self._stopped_here[index] = True
+            if request_state.process(item):  # a stop string ended this sample: stop it upstream too
+                self.state.abort_soon(self.engine_ids[index], item.index)
             self._count_finishes(request_state, before)
             if request_state.finished:
-                self._release(index, abort=self._stopped_here[index])
+                self._release(index, abort=False)
             yield index
 
     def _observe(self, index: int, out) -> None:
         now = time.monotonic()
-        metrics, name = self.state.metrics, self.state.model_name
+        series = self.state.metrics.series
         if not self._first_output[index]:
             self._first_output[index] = True
-            metrics.queue_time.labels(name).observe(now - self.arrival)
+            series.queue_time.observe(now - self.arrival)
         if not out.new_token_ids:
             return
-        metrics.generation_tokens.labels(name).inc(len(out.new_token_ids))
+        series.generation_tokens.inc(len(out.new_token_ids))
         if self._first_token is None:
             self._first_token = now
-            metrics.ttft.labels(name).observe(now - self.arrival)
+            series.ttft.observe(now - self.arrival)
         key = (index, out.index)
         last = self._last_token.get(key)
         if last is not None:
-            metrics.itl.labels(name).observe((now - last) / len(out.new_token_ids))
+            series.itl.observe((now - last) / len(out.new_token_ids))
         self._last_token[key] = now
 
     def _count_finishes(self, request_state: RequestState, before: list[str | None]) -> None:
-        counter = self.state.metrics.request_success
         for sample, previous in zip(request_state.samples, before):
             if previous is None and sample.finish_reason is not None:
-                counter.labels(self.state.model_name, sample.finish_reason).inc()
+                self.state.metrics.count_finish(sample.finish_reason)
 
     def _release(self, index: int, abort: bool) -> None:
         engine_id = self.engine_ids[index]
@@ -190,7 +201,7 @@ class Generation:
         self.state.in_flight.discard(engine_id)
         if abort:
             self.state.abort_soon(engine_id)
-        self.state.metrics.in_flight.labels(self.state.model_name).set(len(self.state.in_flight))
+        self.state.metrics.series.in_flight.set(len(self.state.in_flight))
 
     # -- the end -------------------------------------------------------------------------------------
     def close(self, outcome: str | None = None) -> None:
@@ -214,7 +225,7 @@ class Generation:
             self._release(index, abort=engine_id in self.state.in_flight)
         now = time.monotonic()
         if self._submitted:
-            self.state.metrics.e2e.labels(self.state.model_name).observe(now - self.arrival)
+            self.state.metrics.series.e2e.observe(now - self.arrival)
         fields = {
             "id": self.client_request_id, "response_id": self.request_id, "route": self.route,
             "outcome": self.outcome, "prompts": len(self.prompts), "n": self.params.n,
@@ -226,6 +237,7 @@ class Generation:
         if self.state.settings.log_prompts:
             fields["prompts_text"] = [p.text if p.text is not None else p.token_ids for p in self.prompts]
         log_event(logger, "request", **fields)
+        self.scope_state["logged"] = True
 
     def close_stream(self) -> None:
         self.close(None if self.finished else "client_disconnected")

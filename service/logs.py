@@ -48,5 +48,3 @@ def setup_logging(level: str = "info") -> None:
     # One line per request comes from our handlers (with token counts); no access log twice.
     logging.getLogger("uvicorn.access").disabled = True
 
-
-UVICORN_LOG_CONFIG: dict[str, Any] = {"version": 1, "disable_existing_loggers": False}

@@ -8,6 +8,7 @@ per-rank ones also carry `engine` (the DP rank).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -72,6 +73,23 @@ class EngineStatsCollector(Collector):
         return family
 
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class ModelSeries:
+    """The per-request series of this server's model, looked up once (labels() is not free
+    at one call per streamed token)."""
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    in_flight: Gauge
+    success: dict[str, Counter]
+
+
 class Metrics:
     def __init__(self, model_name: str, stats: StatsSource):
         self.model_name = model_name
@@ -104,6 +122,17 @@ class Metrics:
         self.rejected = Counter("kvsentry_requests_rejected", "Requests refused before reaching a rank.",
                                 m + ["reason"], registry=r)
         r.register(EngineStatsCollector(model_name, stats))
+        n = model_name
+        self.series = ModelSeries(
+            self.prompt_tokens.labels(n), self.generation_tokens.labels(n), self.ttft.labels(n),
+            self.itl.labels(n), self.e2e.labels(n), self.queue_time.labels(n), self.in_flight.labels(n),
+            {reason: self.request_success.labels(n, reason) for reason in FINISH_REASONS})
+
+    def count_finish(self, reason: str) -> None:
+        series = self.series.success.get(reason)
+        if series is None:
+            series = self.series.success[reason] = self.request_success.labels(self.model_name, reason)
+        series.inc()
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()

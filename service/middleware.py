@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import re
 import time
 import uuid
@@ -15,6 +16,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import error_body
+from service.logs import log_event
 from service.state import AppState
 
 # Probes and scrapes stay open when an API key is set.
@@ -22,8 +24,11 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.j
                         "/docs/oauth2-redirect", "/redoc"})
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
                     "/debug/fault"}) | OPEN_PATHS
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+PROBES = frozenset({"/health", "/ready", "/metrics"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 _JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNORECASE)
+logger = logging.getLogger("kvsentry.http")
 
 
 class FrontDoor:
@@ -65,7 +70,16 @@ class FrontDoor:
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
         finally:
-            self.state.metrics.observe_http(route, status[0], time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.state.metrics.observe_http(route, status[0], seconds)
+            # Served generations log their own line (with token counts); everything else logs here,
+            # errors at info, routine traffic (probes, scrapes, 200s) at debug.
+            logged = scope["state"].get("logged")
+            if not logged and (status[0] >= 400 or route not in GENERATION_ROUTES):
+                quiet = status[0] < 400 or route in PROBES
+                log_event(logger, "http", logging.DEBUG if quiet else logging.INFO, id=request_id,
+                          method=scope.get("method"), route=route, status=status[0],
+                          latency_s=round(seconds, 4))
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple | None:
         key = self.state.settings.api_key

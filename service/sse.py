@@ -12,7 +12,8 @@ DONE = "data: [DONE]\n\n"
 
 
 def event(payload: BaseModel | dict) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    body = (payload.model_dump_json() if isinstance(payload, BaseModel)
+            else json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
     return f"data: {body}\n\n"
 
 

@@ -3,12 +3,10 @@ settings, admission control and the health / readiness verdicts."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
@@ -34,7 +32,7 @@ class EngineClient(Protocol):
 
     async def start(self) -> None: ...
     def add_request(self, request: EngineRequest) -> "asyncio.Queue[EngineCoreOutput | Exception]": ...
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, index: int | None = None) -> None: ...
     async def inject_fault(self, rank: int, fault: Fault) -> None: ...
     async def shutdown(self) -> None: ...
 
@@ -51,16 +49,6 @@ class ServeSettings:
     enable_fault_injection: bool = False
 
 
-def generation_eos_ids(model_path: str) -> list[int]:
-    """Every eos id of generation_config.json (chat models often list <|im_end|> too)."""
-    path = Path(model_path) / "generation_config.json"
-    if not path.is_file():
-        return []
-    value = json.loads(path.read_text()).get("eos_token_id")
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int)]
-
-
 class AppState:
     def __init__(self, config: EngineConfig, client: EngineClient, settings: ServeSettings,
                  tokenizer: Tokenizer | None = None):
@@ -69,9 +57,12 @@ class AppState:
         self.settings = settings
         self.tokenizer = tokenizer or Tokenizer(config.model.path)
         self.formatter = TokenFormatter(self.tokenizer)
+        # Every token covers at most this many characters of text, so a longer text cannot fit in
+        # max_model_len tokens: it is refused before tokenizing (seconds of CPU for a 4 MiB body).
+        longest_piece = max((len(piece) for piece in self.tokenizer.backend.get_vocab(with_added_tokens=True)),
+                            default=1)
+        self.max_prompt_chars = config.max_model_len * max(1, longest_piece)
         self.metrics = Metrics(self.model_name, lambda: self.client.stats)
-        eos = self.tokenizer.eos_token_id
-        self.extra_eos_ids = [t for t in generation_eos_ids(config.model.path) if t != eos]
         self.created = int(time.time())
         self.draining = False
         self.start_error: str | None = None
@@ -98,7 +89,10 @@ class AppState:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.client.shutdown()
+        try:
+            await self.client.shutdown()
+        except Exception as exc:  # e.g. it never started; the process is exiting either way
+            log_event(logger, "engine_shutdown_failed", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
 
     async def _start_client(self) -> None:
         if self.client.ready:
@@ -130,10 +124,11 @@ class AppState:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def abort_soon(self, request_id: str) -> None:
+    def abort_soon(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request (or one sample of it) upstream without waiting."""
         async def abort() -> None:
             try:
-                await self.client.abort(request_id)
+                await self.client.abort(request_id, index)
             except Exception as exc:  # the engine may be gone; nothing left to abort then
                 logger.debug("abort of %s failed: %s", request_id, exc)
         self.spawn(abort())

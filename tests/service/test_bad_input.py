@@ -93,6 +93,8 @@ CASES = [
     Case("wrong_content_type", raw=json.dumps(OK).encode(), headers={"Content-Type": "text/plain"}, status=415),
     Case("form_content_type", raw=b"prompt=x", headers={"Content-Type": "application/x-www-form-urlencoded"},
          status=415),
+    completion("prompt_text_far_too_long", prompt="hello " * 400_000, param="prompt",
+               message="cannot fit"),
     Case("oversized_body", {**OK, "prompt": "x" * (5 * 2**20)}, status=413),
     Case("missing_api_key", OK, status=401, auth=False),
     Case("wrong_api_key", OK, status=401, auth=False, headers={"Authorization": "Bearer nope"}),

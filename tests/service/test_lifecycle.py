@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -114,7 +115,8 @@ def read_events(lines) -> list:
 def test_sigterm_drains_then_exits_zero(checkpoint, tmp_path):
     # Long context so the "slow" request cannot finish within the drain timeout, however fast the CPU.
     model = checkpoint("tiny-llama", max_position_embeddings=32768)
-    proc = ServerProcess(model, "--max-model-len", "32768", "--shutdown-timeout", "8", log_dir=tmp_path)
+    proc = ServerProcess(model, "--max-model-len", "32768", "--shutdown-timeout", "8", "--log-prompts",
+                         log_dir=tmp_path)
     try:
         proc.wait_ready()
         with httpx.Client(timeout=60) as client:
@@ -140,7 +142,22 @@ def test_sigterm_drains_then_exits_zero(checkpoint, tmp_path):
             long_ctx.__exit__(None, None, None)
         assert proc.wait(timeout=30) == 0
         assert not proc.rank_pids()
-        events = [json.loads(line).get("event") for line in proc.log_text().splitlines() if line.startswith("{")]
+        log = [json.loads(line) for line in proc.log_text().splitlines() if line.startswith("{")]
+        events = [entry.get("event") for entry in log]
         assert "draining" in events and "drain_timeout" in events
+        assert ["short"] in [entry.get("prompts_text") for entry in log]  # --log-prompts
     finally:
         proc.stop()
+
+
+def test_engine_that_cannot_start_exits_nonzero(llama_path, tmp_path):
+    with socket.socket() as taken:  # the ranks' request port is already in use
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = ServerProcess(llama_path, "--data-parallel-rpc-port", str(taken.getsockname()[1]), log_dir=tmp_path)
+        try:
+            assert proc.wait(timeout=60) == 1
+        finally:
+            proc.stop()
+    dead = [json.loads(line) for line in proc.log_text().splitlines() if '"engine_dead"' in line]
+    assert dead and "failed to start" in dead[0]["reason"]

@@ -232,3 +232,19 @@ def test_stop_strings_with_n_stop_each_sample_upstream(server, openai_client):
         assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] in stops
         assert not any(s in choice.text for s in stops)
     server.wait_idle(timeout=3)  # both samples were stopped in the engine, not left to run 3000 tokens
+
+
+def test_stream_chunks_match_the_protocol_models(http):
+    from service.protocol import ChatCompletionChunk, CompletionResponse
+    for path, body, model in (
+            ("/v1/completions", {"prompt": [PROMPT, "x"], "n": 2, "logprobs": 2, "echo": True}, CompletionResponse),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": True,
+                                      "top_logprobs": 1}, ChatCompletionChunk)):
+        stream_body = {**body, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", path, json=stream_body) as response:
+            payloads = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert payloads[-1] == "[DONE]"
+        chunks = [model.model_validate_json(p) for p in payloads[:-1]]
+        assert chunks[-1].usage is not None and chunks[-1].choices == []
+        finishes = [c for chunk in chunks for c in chunk.choices if c.finish_reason]
+        assert sorted(c.index for c in finishes) == list(range(4 if path == "/v1/completions" else 2))

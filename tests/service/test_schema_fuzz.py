@@ -1,5 +1,5 @@
-"""schemathesis fuzzes the app's own OpenAPI schema in-process (ASGI): no input may
-produce a 5xx, and every response must match its documented schema.
+"""schemathesis fuzzes the app's own OpenAPI schema in-process (ASGI), with valid and
+invalid inputs: none may produce a 5xx, and every response must match its documented schema.
 
 One test drives every operation itself (instead of `schema.parametrize()`), because the
 ASGI lifespan - which owns the engine's rank process - lives exactly as long as one test.
@@ -11,6 +11,7 @@ import time
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
@@ -20,7 +21,7 @@ from service.app import build_app
 from service.state import AppState, ServeSettings
 from tests.service.server_process import free_port_run
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 30
 MODEL_NAME = "fuzz"
 
 
@@ -44,8 +45,11 @@ def test_no_input_breaks_the_api(app):
 
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize"}
-    for operation in operations:
-        @given(case=operation.as_strategy())
+    # Negative cases need something to break: only operations with a request body get them.
+    plan = [(op, GenerationMode.POSITIVE) for op in operations]
+    plan += [(op, GenerationMode.NEGATIVE) for op in operations if op.method.upper() == "POST"]
+    for operation, mode in plan:
+        @given(case=operation.as_strategy(generation_mode=mode))
         @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def check(case) -> None:
