@@ -14,8 +14,8 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.dp_client import (ClientState, EngineDeadError, dead_process_reason, killed_process_reason,
-                              send_shutdown, spawn_local_ranks, stop_processes)
-from engine.dp_rank import endpoints, rank_identity
+                              send_now, send_shutdown, spawn_local_ranks, stop_processes)
+from engine.dp_rank import endpoints
 from engine.messages import EngineRequest, Fault, StepStats
 
 
@@ -78,6 +78,9 @@ class AsyncEngineClient:
         if self._closed:
             return
         self._closed = True
+        if not hasattr(self, "inputs"):  # start() never got as far as binding
+            await asyncio.to_thread(stop_processes, self.procs)
+            return
         send_shutdown(self.inputs, self.state)
         for task in self._tasks:
             task.cancel()
@@ -110,7 +113,7 @@ class AsyncEngineClient:
     # -- internals -----------------------------------------------------------------------------
     def _send_now(self, rank: int, payload: bytes) -> None:
         try:
-            self.inputs.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
+            send_now(self.inputs, rank, payload)
         except zmq.ZMQError as exc:
             self._die(f"DP rank {rank} is unreachable: {exc}")
             raise EngineDeadError(self.dead_reason) from exc

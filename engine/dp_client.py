@@ -135,11 +135,23 @@ class ClientState:
         return [r for r in range(self.size) if now - self.last_seen[r] > RANK_SILENCE_SECONDS]
 
 
+def send_now(router: zmq.Socket, rank: int, payload: bytes) -> None:
+    """Non-blocking send to `rank`; raises zmq.ZMQError (EHOSTUNREACH) if it is gone.
+
+    On a zmq.asyncio socket a NOBLOCK send completes at once but reports through a
+    Future: unwrap it, so both kinds of socket fail the same way."""
+    result = router.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
+    if hasattr(result, "exception") and result.done():
+        error = result.exception()
+        if error is not None:
+            raise error
+
+
 def send_shutdown(router: zmq.Socket, state: ClientState) -> None:
     """Tell every rank to stop; a rank that is already gone must not stop the others hearing it."""
     for rank, payload in state.broadcast(Shutdown()):
         try:
-            router.send_multipart([rank_identity(rank), payload], flags=zmq.NOBLOCK)
+            send_now(router, rank, payload)
         except zmq.ZMQError:
             pass
 
@@ -213,7 +225,7 @@ class DPEngineClient:
     def _send(self, messages: list[tuple[int, bytes]]) -> None:
         for rank, payload in messages:
             try:
-                self.inputs.send_multipart([rank_identity(rank), payload])
+                send_now(self.inputs, rank, payload)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the rank is gone
                 self._check_alive()
                 raise EngineDeadError(f"DP rank {rank} is unreachable: {exc}") from exc

@@ -105,7 +105,10 @@ class RankLoop:
                 if self.lockstep and not self.in_wave and msg.wave >= self.wave:
                     self.in_wave = True
             elif isinstance(msg, Fault):
-                self.core.inject_fault(msg)
+                try:
+                    self.core.inject_fault(msg)
+                except ValueError as exc:  # a bad fault must not take the rank down
+                    print(f"rank {self.rank}: fault ignored: {exc}", file=sys.stderr, flush=True)
             elif isinstance(msg, Shutdown):
                 self.running = False
 

@@ -182,6 +182,8 @@ class EngineCore:
                                    new_logprobs=[lp] if lp is not None else None,
                                    prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps) if prompt_lps else None,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
+            if request.num_output_tokens == 1 and request.first_scheduled_at is not None:
+                out.queue_seconds = request.first_scheduled_at - request.added_at
             reason, stop_reason = self._check_stop(request, token, max_len)
             if request.key in result.nan_logits:
                 self.corrupted_requests += 1

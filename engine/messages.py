@@ -33,6 +33,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    queue_seconds: float | None = None  # on a sample's first output: rank arrival -> first scheduled
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 import torch
 
@@ -35,6 +36,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1            # prefix-cache hit at first schedule
         self.status = RequestStatus.WAITING
+        self.added_at = time.monotonic()          # arrival at this rank
+        self.first_scheduled_at: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Sibling samples (n > 1) wait until the first one's prompt is cached, then share it.

@@ -8,6 +8,7 @@ later from the front of the queue).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +94,8 @@ class Scheduler:
                 if self.config.enable_prefix_caching and request.params.prompt_logprobs is None:
                     self.kv.record_prefix_lookup(request.num_tokens, num_cached)
                 request.status = RequestStatus.RUNNING
+                if request.first_scheduled_at is None:
+                    request.first_scheduled_at = time.monotonic()
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
                 budget -= num_new

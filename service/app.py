@@ -96,7 +96,7 @@ def build_app(state: AppState) -> FastAPI:
             return error_response(503, reason, None, "not_ready", {"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
-    @app.post("/debug/fault", response_model=StatusResponse, responses=ERROR_RESPONSES,
+    @app.post("/debug/faults", response_model=StatusResponse, responses=ERROR_RESPONSES,
               include_in_schema=state.settings.enable_fault_injection)
     async def inject_fault(body: FaultRequest, request: Request) -> StatusResponse:
         if not state.settings.enable_fault_injection:
@@ -104,6 +104,11 @@ def build_app(state: AppState) -> FastAPI:
                            None, "not_found")
         if not state.client.ready:
             raise APIError(503, "model is still loading", None, "loading", {"Retry-After": "1"})
+        config = state.config
+        if body.layer >= config.model.num_layers:
+            raise APIError(400, f"layer must be < {config.model.num_layers}", "layer", "invalid_value")
+        if body.block >= config.num_blocks:
+            raise APIError(400, f"block must be < {config.num_blocks}", "block", "invalid_value")
         fault = Fault(kind=body.kind, layer=body.layer, block=body.block, target=body.target)
         try:
             await state.client.inject_fault(body.rank, fault)

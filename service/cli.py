@@ -52,7 +52,7 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--log-prompts", action="store_true",
                       help="include prompt text in the per-request log line (off: only token counts)")
     http.add_argument("--enable-fault-injection", action="store_true",
-                      help="enable POST /debug/fault (poison the KV cache on purpose, to test alerting)")
+                      help="enable POST /debug/faults (poison the KV cache on purpose, to test alerting)")
 
     engine = serve.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None,

@@ -174,9 +174,10 @@ class Generation:
     def _observe(self, index: int, out) -> None:
         now = time.monotonic()
         series = self.state.metrics.series
-        if not self._first_output[index]:
+        if not self._first_output[index] and out.queue_seconds is not None:
+            # Measured by the rank: arrival there -> first scheduled (excludes prefill time).
             self._first_output[index] = True
-            series.queue_time.observe(now - self.arrival)
+            series.queue_time.observe(out.queue_seconds)
         if not out.new_token_ids:
             return
         series.generation_tokens.inc(len(out.new_token_ids))

@@ -54,6 +54,33 @@ class EngineStatsCollector(Collector):
                             stats, lambda s: s.dummy_batches)
         yield self._counter("kvsentry_padded_tokens", "Padding tokens added to batches (dummy batches included).",
                             stats, lambda s: s.padded_tokens)
+        # The mission metrics: what the NaN sentinel sees in each rank's KV cache.
+        nan_values = GaugeMetricFamily("kvsentry_kv_cache_nan_values",
+                                       "Non-finite values in the KV cache at the last scan, per layer and "
+                                       "region (null_block = block 0, allocated = every other block).",
+                                       labels=["model_name", "engine", "layer", "region"])
+        detections = CounterMetricFamily("kvsentry_kv_cache_nan_detections",
+                                         "Blocks the NaN sentinel found newly poisoned.",
+                                         labels=["model_name", "engine", "region"])
+        for rank, s in sorted(stats.items()):
+            for layer, region, value in s.nan_values:
+                nan_values.add_metric([self.model_name, str(rank), str(layer), region], float(value))
+            for region, total in s.nan_detections:
+                detections.add_metric([self.model_name, str(rank), region], float(total))
+        yield nan_values
+        yield detections
+        yield self._counter("kvsentry_null_block_writes",
+                            "Cache writes whose slot fell in the null block (block 0); must stay 0.",
+                            stats, lambda s: s.null_block_writes)
+        yield self._counter("kvsentry_corrupted_requests",
+                            "Requests with non-finite logits or aborted for reading a poisoned block.",
+                            stats, lambda s: s.corrupted_requests)
+        yield self._counter("kvsentry_kv_cache_heals",
+                            "Poisoned blocks zeroed (and dropped from the prefix cache) by --nan-policy heal.",
+                            stats, lambda s: s.heals)
+        yield self._gauge("kvsentry_kv_cache_scan_coverage_steps",
+                          "Steps within which the sentinel scans every KV block at least once.",
+                          stats, lambda s: s.scan_coverage_steps)
 
     def _labels(self, rank: int) -> list[str]:
         return [self.model_name, str(rank)]
@@ -113,14 +140,17 @@ class Metrics:
         self.e2e = Histogram("kvsentry_e2e_request_latency_seconds", "Arrival to the last token.",
                              m, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kvsentry_request_queue_time_seconds",
-                                    "Arrival to the first output of the engine for the request "
-                                    "(queueing plus the first prefill chunk).",
+                                    "Time a request waited on its DP rank before it was first scheduled.",
                                     m, buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("kvsentry_frontend_requests_in_flight",
                                "Engine requests the front end has submitted and not seen finish.",
                                m, registry=r)
         self.rejected = Counter("kvsentry_requests_rejected", "Requests refused before reaching a rank.",
                                 m + ["reason"], registry=r)
+        self.scan_seconds = Histogram("kvsentry_kv_cache_scan_seconds",
+                                      "Duration of one NaN-sentinel scan of a rank's KV cache.",
+                                      m + ["engine"], registry=r,
+                                      buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))
         r.register(EngineStatsCollector(model_name, stats))
         n = model_name
         self.series = ModelSeries(
@@ -133,6 +163,13 @@ class Metrics:
         if series is None:
             series = self.series.success[reason] = self.request_success.labels(self.model_name, reason)
         series.inc()
+
+    def observe_stats(self, stats: StepStats) -> None:
+        """Every StepStats as it arrives: each scan duration is one histogram observation."""
+        if stats.scan_seconds:
+            series = self.scan_seconds.labels(self.model_name, str(stats.rank))
+            for seconds in stats.scan_seconds:
+                series.observe(seconds)
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()

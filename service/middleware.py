@@ -23,7 +23,7 @@ from service.state import AppState
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc"})
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-                    "/debug/fault"}) | OPEN_PATHS
+                    "/debug/faults"}) | OPEN_PATHS
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")

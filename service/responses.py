@@ -15,7 +15,12 @@ ERROR_RESPONSES: dict = {status: {"model": ErrorResponse, "description": why} fo
     (503, "Loading, draining, engine down, or too many requests in flight (see Retry-After)"),
 )}
 
-STREAM_RESPONSE: dict = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+# Each server-sent event, as OpenAPI 3.2 describes an SSE item: `data` holds one JSON chunk,
+# or the literal [DONE] at the end.
+SSE_EVENT_SCHEMA: dict = {"type": "object", "required": ["data"],
+                          "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                         "id": {"type": "string"}, "retry": {"type": "integer"}}}
+STREAM_RESPONSE: dict = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                                "description": "JSON, or server-sent events when `stream` is true"}}
 
 

@@ -63,6 +63,9 @@ class AppState:
                             default=1)
         self.max_prompt_chars = config.max_model_len * max(1, longest_piece)
         self.metrics = Metrics(self.model_name, lambda: self.client.stats)
+        listeners = getattr(self.client, "stats_listeners", None)
+        if listeners is not None:
+            listeners.append(self.metrics.observe_stats)
         self.created = int(time.time())
         self.draining = False
         self.start_error: str | None = None

@@ -132,7 +132,7 @@ def test_probe_and_scrape_paths_are_app_routes() -> None:
 def test_runbook_fault_injection_route_exists() -> None:
     runbook = (DEPLOY / "RUNBOOK.md").read_text()
     used = set(re.findall(r"http://127\.0\.0\.1:8000(/[\w/.-]*)", runbook))
-    assert "/debug/fault" in used
+    assert "/debug/faults" in used
     assert used <= app_routes(), f"RUNBOOK.md calls paths the app does not have: {used - app_routes()}"
 
 

@@ -18,7 +18,9 @@ RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
+    # A sweep of 1024 blocks per step covers the 64 MiB test cache in a few idle heartbeats.
     proc = ServerProcess(checkpoint("tiny-llama"), "--enable-fault-injection", "--nan-policy", "count",
+                         "--nan-scan-blocks-per-step", "1024",
                          log_dir=tmp_path_factory.mktemp("kvsentry"))
     try:
         yield proc.wait_ready()

@@ -101,7 +101,7 @@ CASES = [
     Case("unknown_model", {**OK, "model": "gpt-nope"}, status=404, param="model"),
     Case("get_on_post_route", method="GET", status=405, param=None),
     Case("unknown_route", OK, path="/v1/nothing", status=404, param=None),
-    Case("fault_injection_disabled", {"kind": "nan"}, path="/debug/fault", status=404, param=None),
+    Case("fault_injection_disabled", {"kind": "nan"}, path="/debug/faults", status=404, param=None),
     # chat
     chat("chat_messages_empty", messages=[], param="messages"),
     chat("chat_role_missing", messages=[{"content": "hi"}], param="messages.0.role"),

@@ -57,9 +57,9 @@ def test_nan_policy_fail_takes_the_server_out_of_rotation(dp_server):
     num_blocks = next(e["num_blocks"] for e in log if e.get("event") == "engine_ready")
     # A block no request will be given soon, found by the rolling sweep within a few dozen steps.
     fault = {"rank": 0, "kind": "nan", "layer": 0, "block": num_blocks - 1, "target": "latent"}
-    response = httpx.post(f"{dp_server.url}/debug/fault", json=fault, timeout=10)
+    response = httpx.post(f"{dp_server.url}/debug/faults", json=fault, timeout=10)
     assert response.status_code == 200, response.text
-    assert httpx.post(f"{dp_server.url}/debug/fault", json={**fault, "rank": 5}, timeout=10).status_code == 400
+    assert httpx.post(f"{dp_server.url}/debug/faults", json={**fault, "rank": 5}, timeout=10).status_code == 400
     assert httpx.get(f"{dp_server.url}/ready").status_code == 200
     client = dp_server.openai()
     deadline = time.monotonic() + 60
