@@ -151,7 +151,10 @@ def _shutdown_pending(inputs: zmq.Socket) -> bool:
 
 
 def default_threads(config: EngineConfig) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, config.parallel.data_parallel_size_local))
+    """Cores per local rank, keeping one core for the front end (tokenizing, streaming) when
+    there are cores to spare: on a 2-core box two ranks then get one thread each."""
+    cores, local = os.cpu_count() or 1, max(1, config.parallel.data_parallel_size_local)
+    return max(1, (cores - 1) // local if cores > local else 1)
 
 
 def run_rank(config: EngineConfig, rank: int) -> None:

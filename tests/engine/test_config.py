@@ -16,17 +16,9 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(write_preset(tmp_path_factory.mktemp("config") / "tiny-llama", "tiny-llama", init_scale=0.3))
+def ckpt(checkpoint):
+    return checkpoint("tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.demo_checkpoint import EOS_ID, write_preset
+from engine.demo_checkpoint import EOS_ID
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.messages import EngineRequest
@@ -25,18 +25,9 @@ PROMPT = "hello world the cache"
 REPEAT_PROMPT = "the cache the cache the cache the cache the cache"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: one torch thread is many times faster than two fighting threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(write_preset(tmp_path_factory.mktemp("sampling") / "tiny-llama", "tiny-llama", init_scale=0.3))
+def ckpt(checkpoint):
+    return checkpoint("tiny-llama")
 
 
 @pytest.fixture(scope="module")

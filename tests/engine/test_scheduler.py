@@ -6,10 +6,8 @@ import os
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-import torch
 
 from engine.config import NULL_BLOCK_ID, EngineConfig
-from engine.demo_checkpoint import write_preset
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.messages import EngineRequest
@@ -282,18 +280,9 @@ def test_abort_all_samples_of_a_request():
 
 # ------------------------------------------------------------------------------ with the model
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: one torch thread is many times faster than two fighting threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(write_preset(tmp_path_factory.mktemp("sched") / "tiny-llama", "tiny-llama", init_scale=0.3))
+def ckpt(checkpoint):
+    return checkpoint("tiny-llama")
 
 
 def core(ckpt, **kw) -> EngineCore:
