@@ -20,4 +20,5 @@ def inject(runner, fault: Fault) -> None:
     which = {"k": 0, "latent": 0, "v": len(tensors) - 1}.get(fault.target)
     if which is None:
         raise ValueError("target: must be k, v or latent")
-    tensors[which][fault.block].view(-1)[0] = float("nan") if fault.kind == "nan" else float("inf")
+    block = tensors[which][fault.block]
+    block[(0,) * block.dim()] = float("nan") if fault.kind == "nan" else float("inf")

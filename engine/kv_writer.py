@@ -29,10 +29,17 @@ def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tens
     return (x.to(torch.float32) / scale).to(cache_dtype)
 
 
-def _index_copy(flat_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    if flat_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: copy the bytes
-        flat_cache, rows = flat_cache.view(torch.uint8), rows.view(torch.uint8)
-    flat_cache.index_copy_(0, slots, rows)
+def _scatter_rows(cache: torch.Tensor,  # [num_blocks, block_size, ...], any strides
+                  slots: torch.Tensor,  # [n] int64, all >= 0
+                  rows: torch.Tensor,   # [n, ...]
+                  ) -> None:
+    if cache.dtype == torch.float8_e4m3fn:  # no fp8 kernels for these on CPU: copy the bytes
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    block_size = cache.shape[1]
+    if cache.is_contiguous():
+        cache.view(cache.shape[0] * block_size, *cache.shape[2:]).index_copy_(0, slots, rows)
+    else:  # e.g. the head-major CPU layout (engine/kv_cache.py): index by (block, offset)
+        cache[slots // block_size, slots % block_size] = rows
 
 
 def write_kv_reference(key: torch.Tensor,          # [num_tokens, num_kv_heads, head_size]
@@ -43,14 +50,12 @@ def write_kv_reference(key: torch.Tensor,          # [num_tokens, num_kv_heads, 
                        null_block_writes: torch.Tensor | None = None,  # [1] int64 counter
                        scale: torch.Tensor | float | None = None,  # fp8 cache only: stored = x / scale
                        ) -> None:
-    num_blocks, block_size = k_cache.shape[:2]
+    block_size = k_cache.shape[1]
     num_tokens = slot_mapping.shape[0]
     valid = slot_mapping[:num_tokens] >= 0
     slots = slot_mapping[valid]
-    flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    _index_copy(flat_k, slots, _to_cache_dtype(key[:num_tokens][valid], k_cache.dtype, scale))
-    _index_copy(flat_v, slots, _to_cache_dtype(value[:num_tokens][valid], v_cache.dtype, scale))
+    _scatter_rows(k_cache, slots, _to_cache_dtype(key[:num_tokens][valid], k_cache.dtype, scale))
+    _scatter_rows(v_cache, slots, _to_cache_dtype(value[:num_tokens][valid], v_cache.dtype, scale))
     if null_block_writes is not None:
         null_block_writes += _null_block_hits(slot_mapping, block_size).sum()
 
@@ -62,11 +67,11 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
                         null_block_writes: torch.Tensor | None = None,
                         scale: torch.Tensor | float | None = None,
                         ) -> None:
-    num_blocks, block_size, width = kv_cache.shape
+    block_size = kv_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     latent = torch.cat([kv_c[valid], k_pe[valid]], dim=-1)  # compressed kv first, then rope
-    _index_copy(kv_cache.view(num_blocks * block_size, width), slots, _to_cache_dtype(latent, kv_cache.dtype, scale))
+    _scatter_rows(kv_cache, slots, _to_cache_dtype(latent, kv_cache.dtype, scale))
     if null_block_writes is not None:
         null_block_writes += _null_block_hits(slot_mapping, block_size).sum()
 

@@ -28,7 +28,7 @@ class ModelRunner:
         self.config = config
         self.model = load_model(config)
         self.kv_storage = allocate_kv_storage(config)   # every layer in one tensor (see kv_cache.py)
-        self.kv_caches = layer_views(self.kv_storage, config.model.is_mla)
+        self.kv_caches = layer_views(self.kv_storage, config)
         self.builder = BatchBuilder(config)
         self.sampler = Sampler(config.seed)
         # Device-side count of cache writes whose slot fell in the null block.

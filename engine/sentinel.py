@@ -22,7 +22,7 @@ class NaNSentinel:
     def __init__(self, config: EngineConfig, storage: torch.Tensor):
         self.mode = config.nan_sentinel
         self.is_mla = config.model.is_mla
-        self.axis = block_axis(self.is_mla)
+        self.axis = block_axis(config)
         # [num_blocks, num_layers, (2,) block_size, ...]: blocks first, so a block range is one slice.
         self.by_block = storage.movedim(self.axis, 0)
         self.num_blocks = config.num_blocks
