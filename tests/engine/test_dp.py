@@ -80,7 +80,10 @@ def references(checkpoint):
 
 
 def idle(stats) -> bool:
-    return len(stats) == 2 and all(s.num_running == 0 and s.num_waiting == 0 for s in stats.values())
+    """Both ranks idle *and* the wave over: in lockstep the ranks end a wave with equal step
+    counts, so stats that still lag behind the last steps cannot pass for a settled state."""
+    return (len(stats) == 2 and all(s.num_running == 0 and s.num_waiting == 0 for s in stats.values())
+            and len({s.steps for s in stats.values()}) == 1)
 
 
 def settle(engine, seconds: float = 1.3) -> None:
