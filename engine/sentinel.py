@@ -10,6 +10,7 @@ are poisoned.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -56,10 +57,7 @@ class NaNSentinel:
         from overflow), so one reduction over every layer with a single host sync clears
         the common all-clean case; only a dirty scan counts values exactly. A contiguous
         id range is a slice of the storage, anything else an index_select."""
-        if ids[-1] - ids[0] + 1 == len(ids):
-            blocks = self.by_block[ids[0]:ids[-1] + 1]
-        else:
-            blocks = self.by_block.index_select(0, torch.tensor(ids, device=self.by_block.device))
+        blocks = self._group_blocks(ids)
         inner = tuple(range(2, blocks.dim()))  # reduce in place: the block-major view is strided
         sums = blocks.sum(dim=inner, dtype=torch.float32)  # [n, num_layers]
         if bool(torch.isfinite(sums).all()):
@@ -86,15 +84,25 @@ class NaNSentinel:
                     groups.append(sorted(written))
         return groups
 
+    def _group_blocks(self, ids: list[int]) -> torch.Tensor:  # [n, num_layers, ...]
+        if ids[-1] - ids[0] + 1 == len(ids):
+            return self.by_block[ids[0]:ids[-1] + 1]
+        return self.by_block.index_select(0, torch.tensor(ids, device=self.by_block.device))
+
+    def _all_finite(self, groups: list[list[int]]) -> bool:
+        """Fast path: one scalar sum per group, one host sync for the whole step."""
+        total = sum(self._group_blocks(g).sum(dtype=torch.float32) for g in groups)
+        return math.isfinite(float(total))
+
     def step(self, written_slots: torch.Tensor | None = None, block_size: int = 1) -> list[int]:
         """Scan for this step; returns the non-null blocks newly found poisoned."""
         if not self.enabled:
             return []
         start = time.perf_counter()
         groups = self._targets(written_slots, block_size)
-        results = [self._scan(g) for g in groups]
         poisoned: list[int] = []
-        if self.any_counted or any(r is not None for r in results):
+        if self.any_counted or not self._all_finite(groups):
+            results = [self._scan(g) for g in groups]
             ids = [b for g in groups for b in g]
             counts = torch.cat([r if r is not None else torch.zeros(self.num_layers, len(g), dtype=torch.int64)
                                 for g, r in zip(groups, results)], dim=1)
