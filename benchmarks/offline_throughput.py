@@ -6,11 +6,11 @@ same prompts, one run. 32 requests x 128-token prompts x 64 new tokens, greedy.
 from __future__ import annotations
 
 import argparse
-import random
-import tempfile
 import time
 
 import torch
+
+from common import bench_checkpoint, random_prompts
 
 
 def main() -> None:
@@ -22,13 +22,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = args.model
-    if path is None:
-        from engine.demo_checkpoint import write_preset
-        path = tempfile.mkdtemp(prefix="bench-llama-")
-        write_preset(path, "bench-llama")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(5, 32000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    path = bench_checkpoint(args.model)
+    prompts = random_prompts(args.requests, args.prompt_len)
     generated = args.requests * args.new_tokens
 
     from engine import LLM, SamplingParams

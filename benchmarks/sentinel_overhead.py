@@ -6,12 +6,12 @@ and in each mode, interleaved over several rounds in one run (median per mode).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import tempfile
 import time
 
 import torch
+
+from common import bench_checkpoint, random_prompts
 
 MODES = ["off", "null-block", "rolling", "full"]
 
@@ -27,14 +27,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = args.model
-    if path is None:
-        from engine.demo_checkpoint import write_preset
-        path = tempfile.mkdtemp(prefix="bench-llama-")
-        write_preset(path, "bench-llama")
+    path = bench_checkpoint(args.model)
     from engine import LLM, SamplingParams
-    rng = random.Random(0)
-    prompts = [[rng.randrange(5, 32000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    prompts = random_prompts(args.requests, args.prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     # One engine, one cache allocation: only the sentinel's mode changes between runs, so
     # memory placement and allocator state cannot masquerade as sentinel cost.

@@ -8,9 +8,9 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import APIError, bad_request, error_body, from_value_error
-from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, encode, new_request_id,
-                              run_unless_disconnected, sampling_params)
+from service.errors import bad_request, error_body, from_value_error
+from service.generate import (EngineFailed, Generation, complete, PromptInput, check_prompt, encode, new_request_id,
+                              sampling_params)
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatLogprobs, ChatMessage, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
@@ -70,14 +70,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)
-    try:
-        if not await run_unless_disconnected(request.receive, gen):
-            return Response(status_code=499)
-    except EngineFailed as exc:
-        gen.close("engine_error")
-        raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
-    finally:
-        gen.close()
+    if not await complete(request, gen):
+        return Response(status_code=499)
     choices = []
     for sample in gen.states[0].samples:
         logprobs_out = ChatLogprobs(content=state.formatter.chat(sample.logprobs)) if body.logprobs else None

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import APIError, bad_request, error_body
-from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, encode, new_request_id,
-                              run_unless_disconnected, sampling_params)
+from service.errors import bad_request, error_body
+from service.generate import (EngineFailed, Generation, complete, PromptInput, check_prompt, encode, new_request_id,
+                              sampling_params)
 from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
@@ -69,14 +69,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)
-    try:
-        if not await run_unless_disconnected(request.receive, gen):
-            return Response(status_code=499)
-    except EngineFailed as exc:
-        gen.close("engine_error")
-        raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
-    finally:
-        gen.close()
+    if not await complete(request, gen):
+        return Response(status_code=499)
     return _response(state, gen, body, created)
 
 

@@ -278,3 +278,15 @@ async def run_unless_disconnected(receive, generation: Generation) -> bool:
         return True
     generation.close("client_disconnected")
     return False
+
+
+async def complete(request, generation: Generation) -> bool:
+    """A non-streaming request to its end: False if the client left (499, aborted upstream);
+    an engine failure for this request alone becomes a 500."""
+    try:
+        return await run_unless_disconnected(request.receive, generation)
+    except EngineFailed as exc:
+        generation.close("engine_error")
+        raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
+    finally:
+        generation.close()
