@@ -79,12 +79,12 @@ class AsyncEngineClient:
             return
         self._closed = True
         if not hasattr(self, "inputs"):  # start() never got as far as binding
-            await asyncio.to_thread(stop_processes, self.procs)
+            await _stop(self.procs)
             return
         send_shutdown(self.inputs, self.state)
         for task in self._tasks:
             task.cancel()
-        await asyncio.to_thread(stop_processes, self.procs)
+        await _stop(self.procs)
         self.inputs.close(0)
         self.outputs.close(0)
         self.ctx.term()
@@ -160,3 +160,12 @@ class AsyncEngineClient:
         for queue in self.queues.values():
             queue.put_nowait(error)
         self.queues.clear()
+
+
+async def _stop(procs) -> None:
+    """Join the rank processes off the event loop; inline when the interpreter is already
+    exiting (no executor threads may start then)."""
+    try:
+        await asyncio.to_thread(stop_processes, procs)
+    except RuntimeError:
+        stop_processes(procs)
