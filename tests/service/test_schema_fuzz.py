@@ -10,6 +10,11 @@ import time
 
 import pytest
 import schemathesis
+# Imported here, at collection, on purpose: schemathesis is a pytest plugin, so pytest
+# re-parses its modules for assertion rewriting, and doing that lazily inside the test --
+# after hypothesis has changed the recursion limit -- trips CPython 3.11.7's "AST
+# constructor recursion depth mismatch" on a fresh venv.
+import schemathesis.specs.openapi.schemas  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
