@@ -27,7 +27,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]   # same as query_start_loc, as Python ints
     seq_lens_cpu: list[int]
     max_seq_len: int
-    decode_only: bool                # every real request has exactly one query token
     # Leading requests with exactly one query token (the scheduler puts them first): they
     # attend in one batched call, only the rest (prefill chunks) one by one.
     num_decodes: int | None = None

@@ -83,9 +83,8 @@ class BatchBuilder:
         self.seq_lens[num_reqs:] = 0
         self.query_start_loc[:num_reqs + 1] = torch.tensor(starts, dtype=torch.int64)
         self.query_start_loc[num_reqs + 1:] = num_tokens
-        decode_only = num_reqs > 0 and num_tokens == num_reqs
         return self._batch(num_reqs, num_tokens, num_padded, starts, seq_lens, logits_indices,
-                           decode_only, self.slot_mapping)
+                           self.slot_mapping)
 
     def build_dummy(self, num_padded: int) -> StepBatch:
         """A batch of `num_padded` tokens that writes nothing: all slots PAD_SLOT_ID, tables 0."""
@@ -101,7 +100,7 @@ class BatchBuilder:
         self._np_tables[:] = 0
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
-        batch = self._batch(0, 0, num_padded, [0], [], [], False,
+        batch = self._batch(0, 0, num_padded, [0], [], [],
                             self._legacy_slot_mapping if unsafe else self.slot_mapping)
         if unsafe:
             # Uninitialised activations: what an unfilled dummy buffer can hold.
@@ -110,7 +109,7 @@ class BatchBuilder:
         return batch
 
     def _batch(self, num_reqs: int, num_tokens: int, num_padded: int, starts: list[int],
-               seq_lens: list[int], logits_indices: list[int], decode_only: bool,
+               seq_lens: list[int], logits_indices: list[int],
                slot_buffer: torch.Tensor) -> StepBatch:
         device = self.config.device
         meta = AttentionMetadata(
@@ -120,7 +119,7 @@ class BatchBuilder:
             seq_lens=self.seq_lens[:num_reqs].to(device, non_blocking=True),
             block_tables=self.block_tables[:max(num_reqs, 1)].to(device, non_blocking=True),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            max_seq_len=max(seq_lens, default=0), decode_only=decode_only)
+            max_seq_len=max(seq_lens, default=0))
         return StepBatch(input_ids=self.input_ids[:num_padded].to(device, non_blocking=True),
                          positions=self.positions[:num_padded].to(device, non_blocking=True),
                          meta=meta, logits_indices=logits_indices)

@@ -72,7 +72,7 @@ class PagedRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int64),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             block_tables=tables, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            max_seq_len=max(seq_lens, default=0), decode_only=len(batch) > 0 and num_tokens == len(batch))
+            max_seq_len=max(seq_lens, default=0))
         ctx = StepContext(meta=meta, kv_caches=self.caches, null_block_writes=self.null_block_writes)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx, inputs_embeds)
         assert hidden.shape[0] == num_padded
