@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.errors import bad_request, error_body, from_value_error
-from service.generate import (EngineFailed, Generation, complete, PromptInput, check_prompt, encode, new_request_id,
-                              sampling_params)
+from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, complete, encode,
+                              sampling_params, start_generation)
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatLogprobs, ChatMessage, UsageInfo)
-from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
+from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
 
@@ -63,10 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_prompt(state, prompt, max_tokens, param="messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(state, body, max_tokens=max_tokens, logprobs=logprobs)
-    client_id = client_request_id(request)
-    gen = Generation(state, new_request_id("chatcmpl", client_id), ROUTE, [prompt], params, client_id,
-                     request.scope.get("state"))
-    gen.submit()
+    gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)

@@ -8,12 +8,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.errors import bad_request, error_body
-from service.generate import (EngineFailed, Generation, complete, PromptInput, check_prompt, encode, new_request_id,
-                              sampling_params)
+from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, complete, encode,
+                              sampling_params, start_generation)
 from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
-from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
+from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
 
@@ -62,10 +62,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         check_prompt(state, p, max_tokens)
     params = sampling_params(state, body, max_tokens=max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
-    client_id = client_request_id(request)
-    gen = Generation(state, new_request_id("cmpl", client_id), ROUTE, prompts, params, client_id,
-                     request.scope.get("state"))
-    gen.submit()
+    gen = start_generation(state, request, "cmpl", ROUTE, prompts, params)
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)

@@ -290,3 +290,14 @@ async def complete(request, generation: Generation) -> bool:
         raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
     finally:
         generation.close()
+
+
+def start_generation(state: AppState, request, prefix: str, route: str, prompts: list[PromptInput],
+                     params) -> Generation:
+    """Submit a validated request under a fresh id ("cmpl-…", "chatcmpl-…"), honouring X-Request-Id."""
+    from service.responses import client_request_id
+    client_id = client_request_id(request)
+    generation = Generation(state, new_request_id(prefix, client_id), route, prompts, params, client_id,
+                            request.scope.get("state"))
+    generation.submit()
+    return generation
