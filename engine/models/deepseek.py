@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata, _attend, gather_kv
 from engine.config import EngineConfig
 from engine.kv_writer import write_mla
 from engine.models.expert_parallel import ExpertParallel
-from engine.models.layers import RMSNorm, SiluMLP, StepContext, inverse_frequencies, rope_parameters, rotate_half
+from engine.models.layers import Linear, RMSNorm, SiluMLP, StepContext, inverse_frequencies, rope_parameters, rotate_half
 from engine.models.moe import (DeepseekV2Router, DeepseekV3Router, KeepsFloat32, MoECausalLM,
                                SharedExpertsMoeBlock, StackedExperts)
 
@@ -144,15 +144,16 @@ class MLAAttention(nn.Module):
         bias = bool(hf.get("attention_bias", False))
         hidden = mc.hidden_size
         if self.q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # HF: default eps, not rms_norm_eps
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_proj = Linear(hidden, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False,
+                                keep_weight=True)  # decode folds it into q and the output
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         if mc.architecture == "DeepseekV2ForCausalLM":
             style = "complex"
         else:

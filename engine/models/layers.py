@@ -14,6 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.models.cpu_gemm import PackedLinear, fused_linear
 
 
 @dataclass
@@ -37,25 +38,63 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameter names, so checkpoints load as usual) that, once `pack`ed
+    on CPU, runs through a oneDNN-prepacked weight (see cpu_gemm)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, keep_weight: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.keep_weight = keep_weight  # the weight is also read directly (MLA's absorbed decode)
+        self.packed: PackedLinear | None = None
+
+    def pack(self) -> None:
+        if self.weight.device.type != "cpu" or self.weight.numel() == 0:
+            return
+        self.packed = PackedLinear(self.weight, self.bias)
+        if not self.keep_weight:
+            self.release()
+
+    def release(self) -> None:
+        """Drop the plain weight once a packed (or fused) copy computes this layer."""
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
+        return super().forward(x)
+
+
+def pack_linears(model: nn.Module) -> None:
+    """CPU only: fuse what can be fused (modules with a `fuse` method), then pack every
+    remaining Linear. Run once, after the weights are loaded."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "fuse"):
+            module.fuse()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
+
+
 class SiluMLP(nn.Module):
     """gate_proj / up_proj / down_proj with SiLU, as Llama, Qwen and DeepSeek name them."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-
-        self.gate_up_t: torch.Tensor | None = None  # [hidden, 2 * intermediate], see fuse()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up: PackedLinear | None = None  # [hidden] -> [2 * intermediate], see fuse()
 
     def fuse(self) -> None:
-        """One [hidden, 2I] matmul instead of two: one pass over the activations."""
-        if self.gate_proj.bias is None and self.gate_proj.weight.device.type == "cpu":
-            self.gate_up_t = torch.cat([self.gate_proj.weight, self.up_proj.weight]).t().contiguous()
+        """One gate|up matmul instead of two: one pass over the activations."""
+        if self.gate_proj.weight.device.type == "cpu" and self.gate_proj.weight.numel():
+            self.gate_up = fused_linear(self.gate_proj, self.up_proj)
+            self.gate_proj.release()
+            self.up_proj.release()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_t is not None:
-            gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

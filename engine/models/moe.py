@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.models.expert_parallel import ExpertParallel
-from engine.models.layers import SiluMLP, StepContext
+from engine.models.layers import Linear, SiluMLP, StepContext
 from engine.models.llama import CausalLM
 
 _EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
@@ -225,7 +225,7 @@ class GatedSharedExpertMoeBlock(SparseMoeBlock):
                  hidden_size: int, shared_intermediate_size: int):
         super().__init__(gate, experts, ep)
         self.shared_expert = SiluMLP(hidden_size, shared_intermediate_size)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(hidden)

@@ -1,0 +1,80 @@
+"""The CPU fast paths against their plain torch references: the oneDNN-packed linear
+(engine/models/cpu_gemm.py) and the blocked row argmax (engine/sampler.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from engine.models.cpu_gemm import PackedLinear, fused_linear, onednn_supports
+from engine.models.layers import Linear
+from engine.sampler import row_argmax
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_float32(tokens, bias):
+    gen = torch.Generator().manual_seed(tokens)
+    weight = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(tokens, 64, generator=gen)
+    packed = PackedLinear(weight, b)
+    assert packed.onednn == onednn_supports(weight)
+    out = packed(x)
+    assert out.shape == (tokens, 96)
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_bfloat16_and_non_contiguous_input():
+    weight = torch.randn(48, 32).bfloat16()
+    x = torch.randn(5, 64).bfloat16()[:, ::2]  # strided rows
+    out = PackedLinear(weight)(x)
+    torch.testing.assert_close(out.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fallback_without_onednn_matches(monkeypatch):
+    monkeypatch.setattr("engine.models.cpu_gemm.onednn_supports", lambda w: False)
+    weight, bias, x = torch.randn(10, 6), torch.randn(10), torch.randn(2, 3, 6)
+    packed = PackedLinear(weight, bias)
+    assert not packed.onednn
+    torch.testing.assert_close(packed(x), F.linear(x, weight, bias))
+
+
+def test_fused_linear_is_the_concatenation():
+    q, k = Linear(16, 8, bias=True), Linear(16, 4, bias=False)
+    x = torch.randn(3, 16)
+    expect = torch.cat([q(x), k(x)], dim=-1)
+    torch.testing.assert_close(fused_linear(q, k)(x), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_pack_drops_the_plain_weight_unless_kept():
+    layer, kept = Linear(8, 4, bias=False), Linear(8, 4, bias=False, keep_weight=True)
+    x = torch.randn(2, 8)
+    before, before_kept = layer(x), kept(x)
+    layer.pack()
+    kept.pack()
+    assert layer.weight.numel() == 0 and kept.weight.shape == (4, 8)
+    torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept(x), before_kept, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 5), vocab=st.sampled_from([1, 7, 255, 256, 257, 512, 1000, 32000]),
+       ties=st.booleans(), nans=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_row_argmax_equals_torch_argmax(rows, vocab, ties, nans, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    if ties:  # coarse values: many exact ties, the first index must win
+        logits = (logits * 2).round()
+    for _ in range(nans):
+        if rows:
+            r, c = (int(torch.randint(n, (1,), generator=gen)) for n in (rows, vocab))
+            logits[r, c] = float("nan")
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+
+
+def test_row_argmax_all_masked_row():
+    logits = torch.full((2, 600), float("-inf"))
+    logits[1, 599] = 0.0
+    assert row_argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [0, 599]
