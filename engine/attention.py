@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -90,6 +92,19 @@ def _decode_attend(q: torch.Tensor,        # [B, Hq, D]
     return out.transpose(0, 1).reshape(batch, num_heads, v.shape[-1])
 
 
+def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
+                               key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
+                               value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
+                               tables: torch.Tensor,       # [B, num_read_blocks]
+                               seq_lens: torch.Tensor,     # [B] int64
+                               scale: float) -> torch.Tensor:  # [B, Hq, Dv]
+    """One query token per request over `num_read_blocks` table entries each (the torch
+    reference of csrc/cpu_attention.cpp, and the path on GPUs)."""
+    positions = torch.arange(tables.shape[1] * key_cache.shape[1], device=query.device)
+    allowed = positions[None, :] < seq_lens[:, None]  # [B, L]
+    return _decode_attend(query, gather_heads(key_cache, tables), gather_heads(value_cache, tables), allowed, scale)
+
+
 def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, head_dim]
                     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
                     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, v_head_dim]
@@ -109,11 +124,14 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
     decodes = meta.num_decodes
     if decodes:  # one query token each, so their query rows are [0, decodes)
         num_read = -(-meta.max_decode_seq_len // block_size)
-        tables = meta.block_tables[:decodes, :num_read]
-        positions = torch.arange(num_read * block_size, device=query.device)
-        allowed = positions[None, :] < meta.seq_lens[:decodes, None]  # [B, L]
-        out[:decodes] = _decode_attend(query[:decodes], gather_heads(key_cache, tables),
-                                       gather_heads(value_cache, tables), allowed, scale)
+        if query.device.type == "cpu" and key_cache.dtype == query.dtype and cpu_ops.available():
+            # The C++ kernel reads the blocks in place: same semantics as below, no gather.
+            cpu_ops.paged_decode_attention(out[:decodes], query[:decodes], key_cache, value_cache,
+                                           meta.block_tables, meta.seq_lens, num_read, scale)
+        else:
+            out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
+                                                       meta.block_tables[:decodes, :num_read],
+                                                       meta.seq_lens[:decodes], scale)
     for i in range(decodes, meta.num_reqs):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
         num_new = q_end - q_start

@@ -25,13 +25,23 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-HOST_SOURCES = ("torch_bindings.cpp", "cache_kernels_host.cpp")
+HOST_SOURCES = ("torch_bindings.cpp", "cache_kernels_host.cpp", "cpu_attention.cpp")
 CUDA_SOURCES = HOST_SOURCES + ("cache_kernels.cu",)
 # nvcc only *warns* when device code calls a host function (#20011-#20015),
 # then drops the call: a kernel that silently writes nothing. Those are
 # errors here; CI compiles csrc/ with -Werror all-warnings besides.
 NVCC_FLAGS = ["-O3", "-lineinfo", "--diag-error", "20011,20012,20013,20014,20015"]
-CXX_FLAGS = ["-O3"]  # torch picks the C++ standard its headers need
+# torch picks the C++ standard its headers need. -fopenmp: at::parallel_for runs on torch's
+# own OpenMP pool (the library links the libgomp.so.1 torch already loaded, by soname).
+CXX_FLAGS = ["-O3", "-fopenmp"]
+LD_FLAGS = ["-fopenmp"]
+# Vector ISA for the CPU kernels, from what torch itself found this CPU runs.
+ARCH_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+              "AVX2": ["-mavx2", "-mfma"]}
+
+
+def cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
 
 # (flavour, library path) once loaded: a process can hold one TORCH_LIBRARY(kvsentry).
 _loaded: tuple[str, str] | None = None
@@ -40,7 +50,7 @@ _loaded: tuple[str, str] | None = None
 def default_build_directory(with_cuda: bool) -> Path:
     root = Path(os.environ.get("KVSENTRY_EXTENSION_DIR", Path.home() / ".cache" / "kvsentry" / "torch_extensions"))
     flavour = f"cu{torch.version.cuda}" if with_cuda else "cpu"
-    return root / f"torch{torch.__version__.split('+')[0]}-{flavour}"
+    return root / f"torch{torch.__version__.split('+')[0]}-{flavour}-{cpu_capability().lower()}"
 
 
 def build(with_cuda: bool, build_directory: str | os.PathLike | None = None, verbose: bool = False) -> str:
@@ -58,7 +68,9 @@ def build(with_cuda: bool, build_directory: str | os.PathLike | None = None, ver
     directory.mkdir(parents=True, exist_ok=True)
     sources = CUDA_SOURCES if with_cuda else HOST_SOURCES
     path = load(name=f"kvsentry_ops_{flavour}", sources=[str(CSRC / s) for s in sources],
-                extra_cflags=CXX_FLAGS + (["-DKVSENTRY_WITH_CUDA"] if with_cuda else []),
+                extra_cflags=CXX_FLAGS + ARCH_FLAGS.get(cpu_capability(), [])
+                + (["-DKVSENTRY_WITH_CUDA"] if with_cuda else []),
+                extra_ldflags=LD_FLAGS,
                 extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)],
                 build_directory=str(directory), with_cuda=with_cuda,
                 is_python_module=False, verbose=verbose)

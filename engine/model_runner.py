@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import cpu_ops
 from engine.batch_builder import BatchBuilder, StepBatch
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_storage, layer_views
@@ -34,6 +35,8 @@ class ModelRunner:
         # Device-side count of cache writes whose slot fell in the null block.
         self.null_block_writes = torch.zeros(1, dtype=torch.int64, device=config.device)
         self.last_written_slots: torch.Tensor | None = None
+        if torch.device(config.device).type == "cpu":
+            cpu_ops.available()  # build (or load) the CPU attention kernel now, not inside a step
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]

@@ -1,0 +1,240 @@
+// Paged decode attention on the CPU, namespace `kvsentry`:
+//
+//   torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache,
+//       block_tables, seq_lens, num_read_blocks, scale) -> ()
+//
+// One query token per request, read straight out of the paged cache: no gather
+// of K/V into a contiguous copy (the torch path's main cost), no materialised
+// score tensor. Work items are (request, kv head) pairs run in parallel by
+// torch's intra-op pool; the G query heads that share a kv head are done
+// together, so every K and V row is read once per item.
+//
+// Semantics are those of the torch reference (engine/attention.py,
+// _decode_attend) on purpose, null block included: each request reads
+// `num_read_blocks` table entries (the batch's longest), so a shorter
+// request's unused entries point at block 0 and are read like real kernels
+// read padding. Positions at or past seq_len get probability 0, and the value
+// product still runs over them: 0 x NaN = NaN, so a NaN planted in block 0
+// reaches the output exactly as it does through the reference. The sentinel,
+// not this kernel, guards block 0.
+//
+// Accumulation is float32 for every cache dtype (float32, bfloat16, float16).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/aminmax.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr const char* kOp = "kvsentry::paged_decode_attention";
+
+// s = sum_d a[d] * b[d], vectorised: 16 independent partial sums need no
+// reassociation of a single float sum, so -O3 vectorises them without -ffast-math.
+template <typename scalar_t>
+inline float dot(const float* a, const scalar_t* b, int64_t n) {
+  float partial[16] = {0};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (int i = 0; i < 16; ++i) partial[i] += a[d + i] * static_cast<float>(b[d + i]);
+  }
+  float s = 0.f;
+  for (; d < n; ++d) s += a[d] * static_cast<float>(b[d]);
+  for (int i = 0; i < 16; ++i) s += partial[i];
+  return s;
+}
+
+// exp(x) for the softmax, in a form the compiler vectorises (std::exp is a scalar libm
+// call per element and was most of the kernel's time): x = n ln2 + r, |r| <= ln2/2,
+// exp(r) by a degree-6 Taylor polynomial (relative error < 2e-7 on that interval),
+// 2^n through the exponent bits. Exact 0 below the float range (so a masked -inf
+// score gets weight exactly 0) and NaN in, NaN out.
+inline float fast_exp(float x) {
+  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // Round to nearest by the 1.5 * 2^23 trick (exact for |n| < 2^22; -ffast-math would break it).
+  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  union { float f; int32_t i; } scale;
+  scale.i = (static_cast<int32_t>(n) + 127) << 23;
+  const float e = p * scale.f;
+  return x != x ? x : (x < -87.0f ? 0.f : e);
+}
+
+inline float sum(const float* x, int64_t n) {
+  float partial[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int k = 0; k < 16; ++k) partial[k] += x[i + k];
+  }
+  float s = 0.f;
+  for (; i < n; ++i) s += x[i];
+  for (int k = 0; k < 16; ++k) s += partial[k];
+  return s;
+}
+
+template <typename scalar_t>
+inline void axpy(float p, const scalar_t* x, float* acc, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(x[d]);
+}
+
+template <typename scalar_t>
+void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& block_tables, const Tensor& seq_lens, int64_t num_read, float scale) {
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t v_dim = value_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t span = num_read * block_size;  // positions read per request
+
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
+  const int64_t ts0 = block_tables.stride(0), ts1 = block_tables.stride(1);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), probs(group * span), acc(group * v_dim), top(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = lens[b];
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* qrow = q + b * qs0 + (h * group + g) * qs1;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);
+        top[g] = kNegInf;
+      }
+      // Scores, masked past the sequence's length.
+      for (int64_t j = 0; j < num_read; ++j) {
+        const scalar_t* kblock = kc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * ks0 + h * ks2;
+        for (int64_t t = 0; t < block_size; ++t) {
+          const int64_t pos = j * block_size + t;
+          for (int64_t g = 0; g < group; ++g) {
+            float s = kNegInf;
+            if (pos < len) {
+              s = dot(&qf[g * head_dim], kblock + t * ks1, head_dim) * scale;
+              // A NaN score must win the max, as in torch's softmax.
+              top[g] = (s > top[g] || std::isnan(s)) ? s : top[g];
+            }
+            probs[g * span + pos] = s;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* p = &probs[g * span];
+        for (int64_t pos = 0; pos < span; ++pos) p[pos] = fast_exp(p[pos] - top[g]);
+        const float total = sum(p, span);
+        for (int64_t pos = 0; pos < span; ++pos) p[pos] /= total;
+      }
+      // Weighted values over every position read, masked ones with weight 0.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < num_read; ++j) {
+        const scalar_t* vblock = vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2;
+        for (int64_t t = 0; t < block_size; ++t) {
+          const int64_t pos = j * block_size + t;
+          for (int64_t g = 0; g < group; ++g) axpy(probs[g * span + pos], vblock + t * vs1, &acc[g * v_dim], v_dim);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* orow = o + b * os0 + (h * group + g) * os1;
+        for (int64_t d = 0; d < v_dim; ++d) orow[d] = static_cast<scalar_t>(acc[g * v_dim + d]);
+      }
+    }
+  });
+}
+
+void check(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+           const Tensor& block_tables, const Tensor& seq_lens, int64_t num_read) {
+  TORCH_CHECK(query.dim() == 3, kOp, ": query must be [batch, num_heads, head_dim], got shape ", query.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, kOp,
+              ": caches must be [num_blocks, block_size, num_kv_heads, dim], got ", key_cache.sizes(), " and ",
+              value_cache.sizes());
+  TORCH_CHECK(key_cache.size(0) == value_cache.size(0) && key_cache.size(1) == value_cache.size(1) &&
+                  key_cache.size(2) == value_cache.size(2),
+              kOp, ": key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(),
+              " disagree on blocks, block size or kv heads");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), kOp, ": key head_dim ", key_cache.size(3),
+              " must equal query head_dim ", query.size(2));
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, kOp, ": num_heads ", query.size(1),
+              " must be a multiple of num_kv_heads ", key_cache.size(2));
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
+                  out.size(2) == value_cache.size(3),
+              kOp, ": out must be [batch, num_heads, v_dim] = [", query.size(0), ", ", query.size(1), ", ",
+              value_cache.size(3), "], got ", out.sizes());
+  for (const Tensor* t : {&out, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == query.scalar_type(), kOp, ": every tensor must have query's dtype ",
+                query.scalar_type(), ", got ", t->scalar_type());
+  }
+  for (const Tensor* t : {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens}) {
+    TORCH_CHECK(t->device() == query.device(), kOp, ": every tensor must be on query's device ", query.device(),
+                ", got one on ", t->device());
+  }
+  for (const Tensor* t : {&out, &query, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->stride(-1) == 1, kOp, ": tensors must have a contiguous last dimension, got strides ",
+                t->strides());
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
+                  block_tables.size(0) >= query.size(0) && block_tables.size(1) >= num_read,
+              kOp, ": block_tables must be int32 [>= batch, >= num_read_blocks], got ", block_tables.scalar_type(),
+              " ", block_tables.sizes());
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.size(0) >= query.size(0) &&
+                  seq_lens.stride(0) == 1,
+              kOp, ": seq_lens must be a contiguous int64 [>= batch], got ", seq_lens.scalar_type(), " ",
+              seq_lens.sizes());
+  TORCH_CHECK(num_read >= 0, kOp, ": num_read_blocks must be >= 0, got ", num_read);
+}
+
+void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                                int64_t num_read_blocks, double scale) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks);
+  if (query.size(0) == 0) return;
+  // A table entry outside the pool would read out of bounds: check the ones read.
+  const Tensor read = block_tables.narrow(0, 0, query.size(0)).narrow(1, 0, num_read_blocks);
+  if (read.numel() > 0) {
+    const auto [low, high] = at::aminmax(read);
+    TORCH_CHECK(low.item<int32_t>() >= 0 && high.item<int32_t>() < key_cache.size(0), kOp,
+                ": block table entries must lie in [0, ", key_cache.size(0), "), got [", low.item<int32_t>(), ", ",
+                high.item<int32_t>(), "]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks,
+                               static_cast<float>(scale));
+  });
+}
+
+void paged_decode_attention_meta(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                 const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                                 int64_t num_read_blocks, double scale) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, int num_read_blocks, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention_cpu); }
+
+TORCH_LIBRARY_IMPL(kvsentry, Meta, m) { m.impl("paged_decode_attention", &paged_decode_attention_meta); }

@@ -1,0 +1,58 @@
+"""The CPU kernels of csrc/ (paged decode attention), JIT-built on first use.
+
+They live in the same library as the CUDA KV writers (engine.cuda_ops builds it:
+the CPU-only flavour here, the CUDA one on a machine with a GPU, which carries
+the CPU code too). `available()` builds once per process, reusing the build
+cache across processes; without a compiler or ninja it warns once and the torch
+reference in engine.attention runs instead, with the same results.
+
+Environment:
+  KVSENTRY_DISABLE_CPU_OPS=1   never use the kernels (the torch reference runs)
+  KVSENTRY_REQUIRE_CPU_OPS=1   raise when the build fails instead of falling back
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from engine import cuda_ops
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _build_ok() -> bool:
+    try:
+        if torch.cuda.is_available():
+            if not cuda_ops.available():
+                return False
+        else:
+            cuda_ops.build(with_cuda=False)
+        return hasattr(torch.ops.kvsentry, "paged_decode_attention")
+    except Exception as exc:  # no compiler, no ninja, a compile error...
+        if os.environ.get("KVSENTRY_REQUIRE_CPU_OPS") == "1":
+            raise
+        log.warning("kvsentry CPU attention kernel unavailable, using the torch reference: %s", exc)
+        return False
+
+
+def available() -> bool:
+    """True when CPU caches can use the kernels (builds them on the first call)."""
+    if os.environ.get("KVSENTRY_DISABLE_CPU_OPS") == "1":
+        return False
+    return _build_ok()
+
+
+def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
+                           query: torch.Tensor,         # [B, Hq, D]
+                           key_cache: torch.Tensor,     # [num_blocks, block_size, Hkv, D], any strides
+                           value_cache: torch.Tensor,   # [num_blocks, block_size, Hkv, Dv]
+                           block_tables: torch.Tensor,  # [>= B, >= num_read_blocks] int32
+                           seq_lens: torch.Tensor,      # [>= B] int64
+                           num_read_blocks: int,
+                           scale: float) -> None:
+    torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                              num_read_blocks, scale)

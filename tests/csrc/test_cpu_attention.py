@@ -1,0 +1,146 @@
+"""csrc/cpu_attention.cpp (torch.ops.kvsentry.paged_decode_attention) against its torch
+reference (engine.attention.decode_attention_reference): values, NaN propagation from the
+null block, layouts, dtypes and the op's checks. Needs the ops built (`kvsentry_ops`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import attention, cpu_ops
+from engine.attention import AttentionMetadata, decode_attention_reference, paged_attention
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def make_case(*, batch=6, num_heads=8, num_kv_heads=4, head_dim=32, v_dim=None, block_size=16,
+              num_blocks=64, dtype=torch.float32, layout="head_major", seed=0, max_len=150, lens=None):
+    """Caches with random contents, distinct blocks per request, tables padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    v_dim = v_dim or head_dim
+    if layout == "head_major":  # the engine's CPU layout: physical [Hkv, NB, bs, D]
+        k_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=g).permute(1, 2, 0, 3)
+        v_cache = torch.randn(num_kv_heads, num_blocks, block_size, v_dim, generator=g).permute(1, 2, 0, 3)
+    else:                       # block-major [NB, bs, Hkv, D], the CUDA layout
+        k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+        v_cache = torch.randn(num_blocks, block_size, num_kv_heads, v_dim, generator=g)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    seq_lens = torch.randint(1, max_len + 1, (batch,), generator=g) if lens is None else torch.tensor(lens)
+    seq_lens[0] = max_len  # the longest request sets how many entries everyone reads
+    num_read = -(-max_len // block_size)
+    tables = torch.zeros(batch, num_read + 2, dtype=torch.int32)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    for b in range(batch):
+        need = -(-int(seq_lens[b]) // block_size)
+        tables[b, :need] = torch.tensor([free.pop() for _ in range(need)], dtype=torch.int32)
+    query = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+    return query, k_cache, v_cache, tables, seq_lens, num_read
+
+
+def run_kernel(ops, query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17):
+    out = torch.full((query.shape[0], query.shape[1], v_cache.shape[-1]), 7.0, dtype=query.dtype)
+    ops.paged_decode_attention(out, query, k_cache, v_cache, tables, seq_lens, num_read, scale)
+    return out
+
+
+def run_reference(query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17):
+    return decode_attention_reference(query, k_cache, v_cache, tables[:, :num_read], seq_lens, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("layout", ["head_major", "block_major"])
+@pytest.mark.parametrize("heads", [(8, 4), (8, 8), (8, 1), (6, 2)], ids=["gqa2", "mha", "mqa", "gqa3"])
+def test_matches_reference(kvsentry_ops, dtype, layout, heads):
+    case = make_case(num_heads=heads[0], num_kv_heads=heads[1], dtype=dtype, layout=layout)
+    out, ref = run_kernel(kvsentry_ops, *case), run_reference(*case)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size, head_dim, v_dim", [(5, 20, 20), (1, 64, 48), (32, 128, 128), (16, 3, 7)])
+def test_odd_shapes(kvsentry_ops, block_size, head_dim, v_dim):
+    case = make_case(block_size=block_size, head_dim=head_dim, v_dim=v_dim, num_blocks=400, max_len=60)
+    torch.testing.assert_close(run_kernel(kvsentry_ops, *case), run_reference(*case), rtol=2e-6, atol=2e-6)
+
+
+def test_sliced_query_and_output(kvsentry_ops):
+    """The engine passes row slices of bigger tensors (out[:decodes], query[:decodes])."""
+    query, k, v, tables, lens, num_read = make_case(batch=4)
+    big_q = torch.randn(9, *query.shape[1:])
+    big_q[:4] = query
+    big_out = torch.zeros(9, query.shape[1], v.shape[-1])
+    kvsentry_ops.paged_decode_attention(big_out[:4], big_q[:4], k, v, tables, lens, num_read, 0.17)
+    torch.testing.assert_close(big_out[:4], run_reference(query, k, v, tables, lens, num_read), rtol=2e-6, atol=2e-6)
+    assert torch.equal(big_out[4:], torch.zeros_like(big_out[4:]))
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_nan_in_null_block_spreads_like_the_reference(kvsentry_ops, where):
+    """A shorter request reads the null block entries past its own blocks with weight 0:
+    a NaN value there still poisons it (0 x NaN), exactly as in the reference; the
+    longest request, which reads none, stays clean. A NaN key is masked to -inf first."""
+    query, k, v, tables, lens, num_read = make_case(batch=5, max_len=160, lens=[160, 3, 17, 40, 159])
+    (v if where == "value" else k)[0, 2, 1, 0] = float("nan")
+    out, ref = run_kernel(kvsentry_ops, query, k, v, tables, lens, num_read), run_reference(
+        query, k, v, tables, lens, num_read)
+    assert torch.equal(out.isnan(), ref.isnan())
+    poisoned = out.isnan().flatten(1).any(dim=1).tolist()
+    assert poisoned == ([False, True, True, True, False] if where == "value" else [False] * 5)
+    torch.testing.assert_close(out.nan_to_num(0.0), ref.nan_to_num(0.0), rtol=2e-6, atol=2e-6)
+
+
+def test_nan_in_a_real_position_spreads_to_that_request_only(kvsentry_ops):
+    query, k, v, tables, lens, num_read = make_case(batch=3, max_len=40)
+    k[int(tables[2, 0]), 0, 0, 0] = float("nan")  # request 2's first key, kv head 0
+    out = run_kernel(kvsentry_ops, query, k, v, tables, lens, num_read)
+    assert out[2, :2].isnan().all() and not out[2, 2:].isnan().any()  # heads 0-1 share kv head 0
+    assert not out[:2].isnan().any()
+
+
+def test_empty_batch_and_no_blocks(kvsentry_ops):
+    query, k, v, tables, lens, num_read = make_case()
+    out = torch.empty(0, 8, 32)
+    kvsentry_ops.paged_decode_attention(out, query[:0], k, v, tables, lens, num_read, 0.1)
+
+
+BAD = [
+    (lambda c: c.update(tables=c["tables"].long()), "block_tables must be int32"),
+    (lambda c: c.update(lens=c["lens"].int()), "seq_lens must be a contiguous int64"),
+    (lambda c: c.update(query=c["query"].double()), "must have query's dtype"),
+    (lambda c: c.update(query=c["query"][:, :5]), "multiple of num_kv_heads"),
+    (lambda c: c.update(num_read=c["tables"].shape[1] + 1), "block_tables must be int32"),
+    (lambda c: c["tables"].__setitem__((1, 0), 10_000), "block table entries must lie in"),
+    (lambda c: c["tables"].__setitem__((1, 0), -1), "block table entries must lie in"),
+    (lambda c: c.update(out=c["out"][:, :, :5]), "out must be"),
+    (lambda c: c.update(query=c["query"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous last dimension"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", BAD, ids=[m for _, m in BAD])
+def test_checks(kvsentry_ops, mutate, message):
+    query, k, v, tables, lens, num_read = make_case()
+    case = dict(query=query, tables=tables, lens=lens, num_read=num_read,
+                out=torch.empty(query.shape[0], query.shape[1], v.shape[-1]))
+    mutate(case)
+    with pytest.raises(RuntimeError, match=message):
+        kvsentry_ops.paged_decode_attention(case["out"], case["query"], k, v, case["tables"], case["lens"],
+                                            case["num_read"], 0.1)
+
+
+def test_paged_attention_dispatches_to_the_kernel(kvsentry_ops, monkeypatch):
+    """The engine's attention uses the kernel on CPU and agrees with its own fallback."""
+    query, k, v, tables, lens, num_read = make_case(batch=4, max_len=70)
+    starts = list(range(5))
+    meta = AttentionMetadata(num_reqs=4, num_tokens=4, num_padded_tokens=8,
+                             slot_mapping=torch.full((8,), -1), query_start_loc=torch.tensor(starts),
+                             seq_lens=lens, block_tables=tables, query_start_loc_cpu=starts,
+                             seq_lens_cpu=lens.tolist(), max_seq_len=int(lens.max()))
+    padded_q = torch.cat([query, torch.randn(4, *query.shape[1:])])
+    calls = []
+    real = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: (calls.append(1), real(*a)))
+    fast = paged_attention(padded_q, k, v, meta, 0.2)
+    assert calls == [1]
+    monkeypatch.setattr(attention.cpu_ops, "available", lambda: False)
+    slow = paged_attention(padded_q, k, v, meta, 0.2)
+    assert len(calls) == 1
+    torch.testing.assert_close(fast, slow, rtol=2e-6, atol=2e-6)
+    assert torch.equal(fast[4:], torch.zeros_like(fast[4:]))  # padded rows stay zero
