@@ -22,6 +22,11 @@ ARG TORCH_VERSION=2.13.0
 # ---- base images, one pair per DEVICE ------------------------------------------
 FROM ${PYTHON_IMAGE} AS build-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# g++ for csrc/'s CPU attention kernel, compiled in the builder (the runtime has no compiler).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 
 FROM ${PYTHON_IMAGE} AS run-cpu
 
@@ -59,6 +64,14 @@ WORKDIR /src
 COPY . .
 RUN pip install --no-cache-dir . \
  && kvsentry --help > /dev/null
+# Compile csrc/ once, here: the CPU attention kernel, and with DEVICE=cuda the KV
+# writers too, for the GPUs in TORCH_CUDA_ARCH_LIST (no GPU needed to build). Vector
+# code for AVX2, so the image runs on any x86-64-v3 node; the runtime loads the library.
+ENV KVSENTRY_EXTENSION_DIR=/opt/kvsentry-ops \
+    KVSENTRY_CPU_ARCH=AVX2 \
+    TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
+RUN KVSENTRY_CSRC_DIR=/src/csrc python -c \
+    "import torch; from engine import cuda_ops; print(cuda_ops.build(with_cuda=torch.version.cuda is not None))"
 
 # ---- runtime --------------------------------------------------------------------
 # hadolint ignore=DL3006
@@ -68,7 +81,10 @@ RUN groupadd --system --gid 10001 kvsentry \
       --home-dir /nonexistent --shell /usr/sbin/nologin kvsentry \
  && install -d -o 10001 -g 10001 -m 0750 /var/cache/kvsentry
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder /opt/kvsentry-ops /opt/kvsentry-ops
 ENV PATH=/opt/venv/bin:$PATH \
+    KVSENTRY_EXTENSION_DIR=/opt/kvsentry-ops \
+    KVSENTRY_CPU_ARCH=AVX2 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     KVSENTRY_CACHE_DIR=/var/cache/kvsentry \

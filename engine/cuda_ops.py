@@ -8,6 +8,9 @@ process on a machine pays for it (torch's file lock serialises DP ranks).
 
 Environment:
   KVSENTRY_EXTENSION_DIR    build cache root (default ~/.cache/kvsentry/torch_extensions)
+  KVSENTRY_CSRC_DIR         the sources (default: the checkout's csrc/); where there are
+                            none, a library prebuilt into the build cache is loaded
+  KVSENTRY_CPU_ARCH         cap the CPU kernels' vector ISA: DEFAULT, AVX2 or AVX512
   KVSENTRY_DISABLE_CUDA_OPS=1  never use the kernels (the reference runs instead)
   KVSENTRY_REQUIRE_CUDA_OPS=1  raise when CUDA is present but the build fails,
                                instead of warning and falling back
@@ -24,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# The sources: the checkout's csrc/, or KVSENTRY_CSRC_DIR (an image builds from its copy).
+CSRC = Path(os.environ.get("KVSENTRY_CSRC_DIR", Path(__file__).resolve().parent.parent / "csrc"))
 HOST_SOURCES = ("torch_bindings.cpp", "cache_kernels_host.cpp", "cpu_attention.cpp")
 CUDA_SOURCES = HOST_SOURCES + ("cache_kernels.cu",)
 # nvcc only *warns* when device code calls a host function (#20011-#20015),
@@ -35,13 +39,23 @@ NVCC_FLAGS = ["-O3", "-lineinfo", "--diag-error", "20011,20012,20013,20014,20015
 # own OpenMP pool (the library links the libgomp.so.1 torch already loaded, by soname).
 CXX_FLAGS = ["-O3", "-fopenmp"]
 LD_FLAGS = ["-fopenmp"]
-# Vector ISA for the CPU kernels, from what torch itself found this CPU runs.
+# Vector ISA for the CPU kernels: what torch itself found this CPU runs, capped by
+# KVSENTRY_CPU_ARCH (an image prebuilt for AVX2 runs on any x86-64-v3 node).
 ARCH_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
               "AVX2": ["-mavx2", "-mfma"]}
+_X86_LEVELS = ["DEFAULT", "AVX2", "AVX512"]
 
 
 def cpu_capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
+    found = torch.backends.cpu.get_cpu_capability()
+    cap = os.environ.get("KVSENTRY_CPU_ARCH", "").upper()
+    if not cap:
+        return found
+    if cap not in _X86_LEVELS:
+        raise ValueError(f"KVSENTRY_CPU_ARCH={cap!r}: choose one of {', '.join(_X86_LEVELS)}")
+    if found not in _X86_LEVELS:
+        return found  # not x86: the cap does not apply
+    return _X86_LEVELS[min(_X86_LEVELS.index(cap), _X86_LEVELS.index(found))]
 
 # (flavour, library path) once loaded: a process can hold one TORCH_LIBRARY(kvsentry).
 _loaded: tuple[str, str] | None = None
@@ -63,11 +77,20 @@ def build(with_cuda: bool, build_directory: str | os.PathLike | None = None, ver
     if _loaded is not None:
         raise RuntimeError("kvsentry ops: the CPU-only build is already loaded in this process; "
                            "the CUDA build cannot be loaded next to it")
-    from torch.utils.cpp_extension import load
     directory = Path(build_directory) if build_directory else default_build_directory(with_cuda)
+    name = f"kvsentry_ops_{flavour}"
+    if not CSRC.is_dir():  # an installed image: load what its build stage compiled
+        prebuilt = directory / f"{name}.so"
+        if not prebuilt.is_file():
+            raise FileNotFoundError(f"kvsentry ops: no sources at {CSRC} (set KVSENTRY_CSRC_DIR) "
+                                    f"and no prebuilt library at {prebuilt}")
+        torch.ops.load_library(str(prebuilt))
+        _loaded = (flavour, str(prebuilt))
+        return str(prebuilt)
+    from torch.utils.cpp_extension import load
     directory.mkdir(parents=True, exist_ok=True)
     sources = CUDA_SOURCES if with_cuda else HOST_SOURCES
-    path = load(name=f"kvsentry_ops_{flavour}", sources=[str(CSRC / s) for s in sources],
+    path = load(name=name, sources=[str(CSRC / s) for s in sources],
                 extra_cflags=CXX_FLAGS + ARCH_FLAGS.get(cpu_capability(), [])
                 + (["-DKVSENTRY_WITH_CUDA"] if with_cuda else []),
                 extra_ldflags=LD_FLAGS,

@@ -1,0 +1,69 @@
+"""An image without sources or a compiler (the Dockerfile's runtime stage) loads the
+library its build stage compiled into KVSENTRY_EXTENSION_DIR, and the engine uses it."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from engine import cuda_ops
+
+SCRIPT = """
+import torch
+from engine import cpu_ops, cuda_ops
+assert cpu_ops.available(), "prebuilt library not loaded"
+print("loaded", cuda_ops._loaded[1])
+out = torch.empty(1, 2, 4)
+q = torch.ones(1, 2, 4)
+k = torch.zeros(3, 4, 1, 4)
+v = torch.arange(48.0).view(3, 4, 1, 4)
+cpu_ops.paged_decode_attention(out, q, k, v, torch.tensor([[2]], dtype=torch.int32), torch.tensor([4]), 1, 1.0)
+print("mean", out[0, 0].tolist())
+"""
+
+
+def test_runtime_loads_the_prebuilt_library(kvsentry_ops, tmp_path):
+    if torch.cuda.is_available():
+        return  # the GPU image path is exercised by tests/gpu
+    library = cuda_ops.build(with_cuda=False)  # the session's build (the fixture made it)
+    env = {**os.environ, "KVSENTRY_EXTENSION_DIR": str(tmp_path), "KVSENTRY_CSRC_DIR": str(tmp_path / "absent"),
+           "KVSENTRY_REQUIRE_CPU_OPS": "1", "PYTHONPATH": os.getcwd()}
+    env.pop("KVSENTRY_DISABLE_CPU_OPS", None)
+    probe = subprocess.run([sys.executable, "-c", "from engine import cuda_ops; "
+                            "print(cuda_ops.default_build_directory(False))"],
+                           env=env, capture_output=True, text=True, check=True)
+    target = tmp_path / os.path.basename(probe.stdout.strip())
+    target.mkdir()
+    shutil.copy(library, target / "kvsentry_ops_cpu.so")
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"loaded {target / 'kvsentry_ops_cpu.so'}" in run.stdout
+    # Equal scores over block 2's four rows: the mean of its values [32..47] per column.
+    assert "mean [38.0, 39.0, 40.0, 41.0]" in run.stdout
+
+
+def test_missing_sources_and_library_is_a_clear_error(tmp_path):
+    env = {**os.environ, "KVSENTRY_EXTENSION_DIR": str(tmp_path), "KVSENTRY_CSRC_DIR": str(tmp_path / "absent"),
+           "KVSENTRY_REQUIRE_CPU_OPS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", "from engine import cpu_ops; cpu_ops.available()"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "no sources at" in run.stderr and "no prebuilt library at" in run.stderr
+
+
+def test_cpu_arch_cap(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("KVSENTRY_CPU_ARCH", "avx2")
+    assert cuda_ops.cpu_capability() == "AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert cuda_ops.cpu_capability() == "DEFAULT"  # never above what the CPU runs
+    monkeypatch.setenv("KVSENTRY_CPU_ARCH", "sse9")
+    try:
+        cuda_ops.cpu_capability()
+    except ValueError as exc:
+        assert "KVSENTRY_CPU_ARCH" in str(exc)
+    else:
+        raise AssertionError("an unknown KVSENTRY_CPU_ARCH must be refused")
