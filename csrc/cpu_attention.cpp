@@ -26,6 +26,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -90,7 +92,83 @@ inline void axpy(float p, const scalar_t* x, float* acc, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(x[d]);
 }
 
+// 16 floats in a GCC vector: one zmm with AVX-512, two ymm with AVX2, four xmm otherwise.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+
 template <typename scalar_t>
+inline vf16 load16(const scalar_t* p) {
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+// Tree sum of 16 lanes (a running scalar sum would be a 16-add dependency chain).
+inline float hsum16(vf16 v) {
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Row operations on a head's vectors. Wide: dims are multiples of 16 (32, 64, 128...),
+// the query and accumulator live in vf16 chunks. Narrow: any dims, plain loops.
+template <bool kWide>
+struct RowOps;
+
+template <>
+struct RowOps<true> {
+  static constexpr int kLanes = 16;
+  template <typename scalar_t>
+  static float dot(const float* q, const scalar_t* k, int64_t dim) {
+    const vf16* qv = reinterpret_cast<const vf16*>(q);
+    vf16 acc = qv[0] * load16(k);
+    for (int64_t c = 1; c < dim / 16; ++c) acc += qv[c] * load16(k + 16 * c);
+    return hsum16(acc);
+  }
+  template <typename scalar_t>
+  static void axpy(float p, const scalar_t* x, float* acc, int64_t dim) {
+    vf16* av = reinterpret_cast<vf16*>(acc);
+    for (int64_t c = 0; c < dim / 16; ++c) av[c] += p * load16(x + 16 * c);
+  }
+};
+
+template <>
+struct RowOps<false> {
+  template <typename scalar_t>
+  static float dot(const float* q, const scalar_t* k, int64_t dim) { return ::dot(q, k, dim); }
+  template <typename scalar_t>
+  static void axpy(float p, const scalar_t* x, float* acc, int64_t dim) { ::axpy(p, x, acc, dim); }
+};
+
+// Ask for the next block's rows while this block computes: table order is arbitrary, so
+// the hardware prefetcher cannot guess it, and the kernel is otherwise memory-latency bound.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* block, int64_t rows, int64_t row_stride, int64_t dim) {
+  constexpr int64_t kPerLine = 64 / sizeof(scalar_t);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t d = 0; d < dim; d += kPerLine) __builtin_prefetch(block + t * row_stride + d);
+  }
+}
+
+// 64-byte aligned float scratch, so the wide path may view it as vf16 chunks.
+struct Scratch {
+  explicit Scratch(int64_t n) : data(static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64 + 64))) {}
+  ~Scratch() { std::free(data); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float& operator[](int64_t i) { return data[i]; }
+  float* data;
+};
+
+template <typename scalar_t, bool kWide>
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, int64_t num_read, float scale) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -113,7 +191,8 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), probs(group * span), acc(group * v_dim), top(group);
+    using Ops = RowOps<kWide>;
+    Scratch qf(group * head_dim), probs(group * span), acc(group * v_dim), top(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = lens[b];
@@ -125,12 +204,16 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       // Scores, masked past the sequence's length.
       for (int64_t j = 0; j < num_read; ++j) {
         const scalar_t* kblock = kc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * ks0 + h * ks2;
+        if (j + 1 < num_read) {
+          prefetch_rows(kc + static_cast<int64_t>(tables[b * ts0 + (j + 1) * ts1]) * ks0 + h * ks2, block_size, ks1,
+                        head_dim);
+        }
         for (int64_t t = 0; t < block_size; ++t) {
           const int64_t pos = j * block_size + t;
           for (int64_t g = 0; g < group; ++g) {
             float s = kNegInf;
             if (pos < len) {
-              s = dot(&qf[g * head_dim], kblock + t * ks1, head_dim) * scale;
+              s = Ops::dot(&qf[g * head_dim], kblock + t * ks1, head_dim) * scale;
               // A NaN score must win the max, as in torch's softmax.
               top[g] = (s > top[g] || std::isnan(s)) ? s : top[g];
             }
@@ -145,12 +228,37 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         for (int64_t pos = 0; pos < span; ++pos) p[pos] /= total;
       }
       // Weighted values over every position read, masked ones with weight 0.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < num_read; ++j) {
-        const scalar_t* vblock = vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2;
-        for (int64_t t = 0; t < block_size; ++t) {
-          const int64_t pos = j * block_size + t;
-          for (int64_t g = 0; g < group; ++g) axpy(probs[g * span + pos], vblock + t * vs1, &acc[g * v_dim], v_dim);
+      if constexpr (kWide) {
+        // One 16-lane output chunk at a time, accumulated in registers (two chains, to
+        // hide the FMA latency); a head's V rows stay in L2 across the chunks.
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t c = 0; c < v_dim / 16; ++c) {
+            vf16 a0 = {}, a1 = {};
+            for (int64_t j = 0; j < num_read; ++j) {
+              const scalar_t* vblock =
+                  vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2 + 16 * c;
+              const float* pj = &probs[g * span + j * block_size];
+              int64_t t = 0;
+              for (; t + 2 <= block_size; t += 2) {
+                a0 += pj[t] * load16(vblock + t * vs1);
+                a1 += pj[t + 1] * load16(vblock + (t + 1) * vs1);
+              }
+              if (t < block_size) a0 += pj[t] * load16(vblock + t * vs1);
+            }
+            const vf16 total = a0 + a1;
+            std::memcpy(&acc[g * v_dim + 16 * c], &total, sizeof total);
+          }
+        }
+      } else {
+        std::fill(acc.data, acc.data + group * v_dim, 0.f);
+        for (int64_t j = 0; j < num_read; ++j) {
+          const scalar_t* vblock = vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2;
+          for (int64_t t = 0; t < block_size; ++t) {
+            const int64_t pos = j * block_size + t;
+            for (int64_t g = 0; g < group; ++g) {
+              Ops::axpy(probs[g * span + pos], vblock + t * vs1, &acc[g * v_dim], v_dim);
+            }
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -216,8 +324,13 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
                 high.item<int32_t>(), "]");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks,
-                               static_cast<float>(scale));
+    if (query.size(2) % 16 == 0 && value_cache.size(3) % 16 == 0) {
+      decode_attention<scalar_t, true>(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks,
+                                       static_cast<float>(scale));
+    } else {
+      decode_attention<scalar_t, false>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                        num_read_blocks, static_cast<float>(scale));
+    }
   });
 }
 
