@@ -164,8 +164,11 @@ async def bench(url: str, server: str, args: argparse.Namespace) -> list[RunResu
     for workload in workloads(args):
         for concurrency in args.concurrency:
             requests = max(concurrency * args.requests_per_client, args.min_requests)
+            # Fresh prompts per level (the same for every server): a prompt repeated from an
+            # earlier level would measure the prefix cache instead of the engine.
+            level_seed = args.seed * 1_000_003 + concurrency * 7919 + len(workload.name) * 104_729
             result = await run_level(url, model, server, workload, concurrency, requests, args.output_len,
-                                     tuple(args.token_range), headers, args.seed)
+                                     tuple(args.token_range), headers, level_seed)
             print(format_row(result.row()), flush=True)
             results.append(result)
     return results

@@ -54,6 +54,17 @@ def parse_memory(value: int | float | str) -> int:
     return int(number * scale)
 
 
+def default_pad_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Step sizes a batch is padded up to, spaced like vLLM's CUDA-graph capture sizes:
+    1, 2, 4, then every 8 up to 256, every 16 up to 1024, every 64 beyond. Padded tokens
+    run through every layer (on CPU there is no graph to amortise them), so the spacing
+    bounds the waste: at most 7 tokens up to 256, under 7% above."""
+    buckets = [1, 2, 4, *range(8, 257, 8), *range(272, 1025, 16)]
+    while buckets[-1] < max_tokens:
+        buckets.append(buckets[-1] + 64)
+    return tuple(buckets)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The parts of a Hugging Face config.json the engine uses."""
@@ -221,10 +232,7 @@ class EngineConfig:
             raise ValueError("kv_cache_memory: budget leaves fewer than 2 KV blocks "
                              "(block 0 is reserved as the null block)")
         if "pad_buckets" not in kwargs:
-            buckets = [1, 2, 4, 8]
-            while buckets[-1] < max_num_batched_tokens:
-                buckets.append(buckets[-1] * 2 if buckets[-1] < 512 else buckets[-1] + 512)
-            kwargs["pad_buckets"] = tuple(buckets)
+            kwargs["pad_buckets"] = default_pad_buckets(max_num_batched_tokens)
         local = data_parallel_size_local if data_parallel_size_local is not None else data_parallel_size
         parallel = ParallelConfig(
             data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,

@@ -11,6 +11,7 @@ for the next wave arrives.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -174,6 +175,11 @@ def run_rank(config: EngineConfig, rank: int) -> None:
             dist.init_process_group("gloo", init_method=dist_addr, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=120))
         core = EngineCore(config)
+        # Everything built so far (model, torch and library objects) lives as long as the
+        # process: freeze it, so the collector stops re-walking it in every full
+        # collection (seen at ~5% of a busy rank's time), as vLLM does.
+        gc.collect()
+        gc.freeze()
         inputs = ctx.socket(zmq.DEALER)
         inputs.setsockopt(zmq.IDENTITY, rank_identity(rank))
         inputs.setsockopt(zmq.LINGER, 0)

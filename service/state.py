@@ -3,6 +3,7 @@ settings, admission control and the health / readiness verdicts."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -106,6 +107,8 @@ class AppState:
         except Exception as exc:  # the process cannot serve: report and exit non-zero
             self.start_error = f"engine failed to start: {type(exc).__name__}: {exc}"
             return
+        gc.collect()
+        gc.freeze()  # startup's objects live as long as the server: keep them out of collections
         log_event(logger, "engine_ready", load_s=round(time.monotonic() - started, 3),
                   data_parallel_size=self.config.parallel.data_parallel_size,
                   num_blocks=self.config.num_blocks, max_model_len=self.config.max_model_len)

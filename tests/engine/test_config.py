@@ -261,3 +261,14 @@ def test_parse_dtype():
     assert parse_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="^dtype:"):
         parse_dtype("half")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 100, 512, 2048, 8192])
+def test_default_pad_buckets_bound_the_padding(max_tokens):
+    from engine.config import default_pad_buckets
+    buckets = default_pad_buckets(max_tokens)
+    assert list(buckets) == sorted(set(buckets)) and buckets[:3] == (1, 2, 4)
+    assert buckets[-1] >= max_tokens
+    for n in range(1, max_tokens + 1):
+        padded = next(b for b in buckets if b >= n)
+        assert padded - n <= (7 if n <= 256 else 15 if n <= 1024 else 63) and (n <= 256 or padded < n * 1.07)
