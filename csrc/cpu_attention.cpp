@@ -1,7 +1,7 @@
 // Paged decode attention on the CPU, namespace `kvsentry`:
 //
 //   torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache,
-//       block_tables, seq_lens, num_read_blocks, scale) -> ()
+//       block_tables, seq_lens, read_blocks=None, num_read_blocks, scale) -> ()
 //
 // One query token per request, read straight out of the paged cache: no gather
 // of K/V into a contiguous copy (the torch path's main cost), no materialised
@@ -10,10 +10,11 @@
 // together, so every K and V row is read once per item.
 //
 // Semantics are those of the torch reference (engine/attention.py,
-// _decode_attend) on purpose, null block included: each request reads
-// `num_read_blocks` table entries (the batch's longest), so a shorter
-// request's unused entries point at block 0 and are read like real kernels
-// read padding. Positions at or past seq_len get probability 0, and the value
+// decode_attention_reference) on purpose, null block included: row b reads
+// read_blocks[b] table entries (all rows num_read_blocks when None) -- the
+// longest length in its group of similar lengths -- so a shorter request's
+// unused entries point at block 0 and are read like real kernels read
+// padding. Positions at or past seq_len get probability 0, and the value
 // product still runs over them: 0 x NaN = NaN, so a NaN planted in block 0
 // reaches the output exactly as it does through the reference. The sentinel,
 // not this kernel, guards block 0.
@@ -29,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -170,12 +172,13 @@ struct Scratch {
 
 template <typename scalar_t, bool kWide>
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                      const Tensor& block_tables, const Tensor& seq_lens, int64_t num_read, float scale) {
+                      const Tensor& block_tables, const Tensor& seq_lens, const int32_t* read_blocks,
+                      int64_t num_read, float scale) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t v_dim = value_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t span = num_read * block_size;  // positions read per request
+  const int64_t span = num_read * block_size;  // most positions a request reads (scratch stride)
 
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* kc = key_cache.data_ptr<scalar_t>();
@@ -196,15 +199,17 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = lens[b];
+      const int64_t reads = read_blocks != nullptr ? read_blocks[b] : num_read;  // this row's table entries
+      const int64_t row_span = reads * block_size;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + b * qs0 + (h * group + g) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);
         top[g] = kNegInf;
       }
       // Scores, masked past the sequence's length.
-      for (int64_t j = 0; j < num_read; ++j) {
+      for (int64_t j = 0; j < reads; ++j) {
         const scalar_t* kblock = kc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * ks0 + h * ks2;
-        if (j + 1 < num_read) {
+        if (j + 1 < reads) {
           prefetch_rows(kc + static_cast<int64_t>(tables[b * ts0 + (j + 1) * ts1]) * ks0 + h * ks2, block_size, ks1,
                         head_dim);
         }
@@ -223,9 +228,9 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       }
       for (int64_t g = 0; g < group; ++g) {
         float* p = &probs[g * span];
-        for (int64_t pos = 0; pos < span; ++pos) p[pos] = fast_exp(p[pos] - top[g]);
-        const float total = sum(p, span);
-        for (int64_t pos = 0; pos < span; ++pos) p[pos] /= total;
+        for (int64_t pos = 0; pos < row_span; ++pos) p[pos] = fast_exp(p[pos] - top[g]);
+        const float total = sum(p, row_span);
+        for (int64_t pos = 0; pos < row_span; ++pos) p[pos] /= total;
       }
       // Weighted values over every position read, masked ones with weight 0.
       if constexpr (kWide) {
@@ -234,7 +239,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t c = 0; c < v_dim / 16; ++c) {
             vf16 a0 = {}, a1 = {};
-            for (int64_t j = 0; j < num_read; ++j) {
+            for (int64_t j = 0; j < reads; ++j) {
               const scalar_t* vblock =
                   vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2 + 16 * c;
               const float* pj = &probs[g * span + j * block_size];
@@ -251,7 +256,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         }
       } else {
         std::fill(acc.data, acc.data + group * v_dim, 0.f);
-        for (int64_t j = 0; j < num_read; ++j) {
+        for (int64_t j = 0; j < reads; ++j) {
           const scalar_t* vblock = vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2;
           for (int64_t t = 0; t < block_size; ++t) {
             const int64_t pos = j * block_size + t;
@@ -270,7 +275,8 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
 }
 
 void check(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-           const Tensor& block_tables, const Tensor& seq_lens, int64_t num_read) {
+           const Tensor& block_tables, const Tensor& seq_lens, const std::optional<Tensor>& read_blocks,
+           int64_t num_read) {
   TORCH_CHECK(query.dim() == 3, kOp, ": query must be [batch, num_heads, head_dim], got shape ", query.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, kOp,
               ": caches must be [num_blocks, block_size, num_kv_heads, dim], got ", key_cache.sizes(), " and ",
@@ -308,13 +314,29 @@ void check(const Tensor& out, const Tensor& query, const Tensor& key_cache, cons
               kOp, ": seq_lens must be a contiguous int64 [>= batch], got ", seq_lens.scalar_type(), " ",
               seq_lens.sizes());
   TORCH_CHECK(num_read >= 0, kOp, ": num_read_blocks must be >= 0, got ", num_read);
+  if (read_blocks.has_value()) {
+    const Tensor& r = *read_blocks;
+    TORCH_CHECK(r.dim() == 1 && r.scalar_type() == at::kInt && r.size(0) >= query.size(0) &&
+                    (r.stride(0) == 1 || r.size(0) <= 1) && r.device() == query.device(),
+                kOp, ": read_blocks must be a contiguous int32 [>= batch] on query's device, got ", r.scalar_type(),
+                " ", r.sizes());
+  }
 }
 
 void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& key_cache,
                                 const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
-                                int64_t num_read_blocks, double scale) {
-  check(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks);
+                                const std::optional<Tensor>& read_blocks, int64_t num_read_blocks, double scale) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, read_blocks, num_read_blocks);
   if (query.size(0) == 0) return;
+  const int32_t* reads = nullptr;
+  if (read_blocks.has_value()) {
+    const Tensor rows = read_blocks->narrow(0, 0, query.size(0));
+    const auto [low, high] = at::aminmax(rows);
+    TORCH_CHECK(low.item<int32_t>() >= 0 && high.item<int32_t>() <= num_read_blocks, kOp,
+                ": read_blocks must lie in [0, num_read_blocks = ", num_read_blocks, "], got [", low.item<int32_t>(),
+                ", ", high.item<int32_t>(), "]");
+    reads = rows.data_ptr<int32_t>();
+  }
   // A table entry outside the pool would read out of bounds: check the ones read.
   const Tensor read = block_tables.narrow(0, 0, query.size(0)).narrow(1, 0, num_read_blocks);
   if (read.numel() > 0) {
@@ -325,10 +347,10 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if (query.size(2) % 16 == 0 && value_cache.size(3) % 16 == 0) {
-      decode_attention<scalar_t, true>(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks,
-                                       static_cast<float>(scale));
+      decode_attention<scalar_t, true>(out, query, key_cache, value_cache, block_tables, seq_lens, reads,
+                                       num_read_blocks, static_cast<float>(scale));
     } else {
-      decode_attention<scalar_t, false>(out, query, key_cache, value_cache, block_tables, seq_lens,
+      decode_attention<scalar_t, false>(out, query, key_cache, value_cache, block_tables, seq_lens, reads,
                                         num_read_blocks, static_cast<float>(scale));
     }
   });
@@ -336,8 +358,8 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
 
 void paged_decode_attention_meta(Tensor& out, const Tensor& query, const Tensor& key_cache,
                                  const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
-                                 int64_t num_read_blocks, double scale) {
-  check(out, query, key_cache, value_cache, block_tables, seq_lens, num_read_blocks);
+                                 const std::optional<Tensor>& read_blocks, int64_t num_read_blocks, double scale) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, read_blocks, num_read_blocks);
 }
 
 }  // namespace
@@ -345,7 +367,7 @@ void paged_decode_attention_meta(Tensor& out, const Tensor& query, const Tensor&
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, int num_read_blocks, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor? read_blocks, int num_read_blocks, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention_cpu); }

@@ -8,7 +8,7 @@ not the attention, is what guards the null block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,49 @@ class AttentionMetadata:
                 count += 1
             self.num_decodes = count
 
+    _decode_plan: DecodePlan | None = field(default=None, repr=False)
+
     @property
     def max_decode_seq_len(self) -> int:
         return max(self.seq_lens_cpu[:self.num_decodes], default=0)
+
+    def decode_plan(self, block_size: int, device: torch.device) -> DecodePlan:
+        """How many table entries each decode row reads; computed once per step."""
+        if self._decode_plan is None:
+            self._decode_plan = plan_decode_reads(self.seq_lens_cpu[:self.num_decodes], block_size, device)
+        return self._decode_plan
+
+
+# A row shares its group's padded length when that costs at most half its group's longest,
+# or at most this many blocks (reading padding from the null block is cheap: it is cached).
+PAD_SLACK_BLOCKS = 4
+
+
+@dataclass
+class DecodePlan:
+    """Decode rows grouped by similar length. Every row reads as many table entries as
+    the longest row of its group, the entries past its own blocks being the null block:
+    padding, read with weight zero, as real kernels read it. Grouping only bounds how much
+    padding a short request reads next to a long one; it never removes it."""
+    reads: torch.Tensor                       # [B] int32 table entries row b reads
+    num_read: int                             # the most any row reads
+    groups: list[tuple[torch.Tensor, int]]    # (rows [n] int64, entries they read)
+
+
+def plan_decode_reads(seq_lens: list[int], block_size: int, device: torch.device) -> DecodePlan:
+    blocks = [-(-n // block_size) for n in seq_lens]
+    order = sorted(range(len(blocks)), key=lambda i: -blocks[i])
+    reads = [0] * len(blocks)
+    groups: list[tuple[list[int], int]] = []
+    for i in order:
+        if groups and groups[-1][1] - blocks[i] <= max(groups[-1][1] // 2, PAD_SLACK_BLOCKS):
+            groups[-1][0].append(i)
+        else:
+            groups.append(([i], blocks[i]))
+        reads[i] = groups[-1][1]
+    return DecodePlan(reads=torch.tensor(reads, dtype=torch.int32, device=device),
+                      num_read=max(blocks, default=0),
+                      groups=[(torch.tensor(rows, dtype=torch.int64, device=device), n) for rows, n in groups])
 
 
 def gather_kv(cache: torch.Tensor,         # [num_blocks, block_size, *rest]
@@ -95,14 +135,20 @@ def _decode_attend(q: torch.Tensor,        # [B, Hq, D]
 def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
                                key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
                                value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
-                               tables: torch.Tensor,       # [B, num_read_blocks]
+                               tables: torch.Tensor,       # [B, >= plan.num_read]
                                seq_lens: torch.Tensor,     # [B] int64
+                               plan: DecodePlan,
                                scale: float) -> torch.Tensor:  # [B, Hq, Dv]
-    """One query token per request over `num_read_blocks` table entries each (the torch
-    reference of csrc/cpu_attention.cpp, and the path on GPUs)."""
-    positions = torch.arange(tables.shape[1] * key_cache.shape[1], device=query.device)
-    allowed = positions[None, :] < seq_lens[:, None]  # [B, L]
-    return _decode_attend(query, gather_heads(key_cache, tables), gather_heads(value_cache, tables), allowed, scale)
+    """One query token per request, each group of rows over its longest row's table entries
+    (the torch reference of csrc/cpu_attention.cpp, and the path on GPUs)."""
+    out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+    for rows, num_read in plan.groups:
+        group_tables = tables.index_select(0, rows)[:, :num_read]
+        positions = torch.arange(num_read * key_cache.shape[1], device=query.device)
+        allowed = positions[None, :] < seq_lens.index_select(0, rows)[:, None]  # [n, L]
+        out[rows] = _decode_attend(query.index_select(0, rows), gather_heads(key_cache, group_tables),
+                                   gather_heads(value_cache, group_tables), allowed, scale)
+    return out
 
 
 def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, head_dim]
@@ -123,15 +169,15 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decodes = meta.num_decodes
     if decodes:  # one query token each, so their query rows are [0, decodes)
-        num_read = -(-meta.max_decode_seq_len // block_size)
+        plan = meta.decode_plan(block_size, query.device)
         if query.device.type == "cpu" and key_cache.dtype == query.dtype and cpu_ops.available():
             # The C++ kernel reads the blocks in place: same semantics as below, no gather.
             cpu_ops.paged_decode_attention(out[:decodes], query[:decodes], key_cache, value_cache,
-                                           meta.block_tables, meta.seq_lens, num_read, scale)
+                                           meta.block_tables, meta.seq_lens, plan.reads, plan.num_read, scale)
         else:
             out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
-                                                       meta.block_tables[:decodes, :num_read],
-                                                       meta.seq_lens[:decodes], scale)
+                                                       meta.block_tables[:decodes], meta.seq_lens[:decodes],
+                                                       plan, scale)
     for i in range(decodes, meta.num_reqs):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
         num_new = q_end - q_start

@@ -52,7 +52,8 @@ def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
                            value_cache: torch.Tensor,   # [num_blocks, block_size, Hkv, Dv]
                            block_tables: torch.Tensor,  # [>= B, >= num_read_blocks] int32
                            seq_lens: torch.Tensor,      # [>= B] int64
-                           num_read_blocks: int,
+                           read_blocks: torch.Tensor | None,  # [>= B] int32 entries each row reads, or None
+                           num_read_blocks: int,        # the most any row reads (all rows, when read_blocks is None)
                            scale: float) -> None:
     torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              num_read_blocks, scale)
+                                              read_blocks, num_read_blocks, scale)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import attention, cpu_ops
-from engine.attention import AttentionMetadata, decode_attention_reference, paged_attention
+from engine.attention import (PAD_SLACK_BLOCKS, AttentionMetadata, DecodePlan, decode_attention_reference,
+                              paged_attention, plan_decode_reads)
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -36,14 +37,22 @@ def make_case(*, batch=6, num_heads=8, num_kv_heads=4, head_dim=32, v_dim=None, 
     return query, k_cache, v_cache, tables, seq_lens, num_read
 
 
-def run_kernel(ops, query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17):
+def uniform_plan(batch: int, num_read: int) -> DecodePlan:
+    """Every row reads num_read entries: one group (the kernel's read_blocks=None)."""
+    return DecodePlan(reads=torch.full((batch,), num_read, dtype=torch.int32), num_read=num_read,
+                      groups=[(torch.arange(batch), num_read)])
+
+
+def run_kernel(ops, query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17, plan=None):
     out = torch.full((query.shape[0], query.shape[1], v_cache.shape[-1]), 7.0, dtype=query.dtype)
-    ops.paged_decode_attention(out, query, k_cache, v_cache, tables, seq_lens, num_read, scale)
+    reads = None if plan is None else plan.reads
+    ops.paged_decode_attention(out, query, k_cache, v_cache, tables, seq_lens, reads, num_read, scale)
     return out
 
 
-def run_reference(query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17):
-    return decode_attention_reference(query, k_cache, v_cache, tables[:, :num_read], seq_lens, scale)
+def run_reference(query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17, plan=None):
+    plan = plan or uniform_plan(query.shape[0], num_read)
+    return decode_attention_reference(query, k_cache, v_cache, tables, seq_lens, plan, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
@@ -67,7 +76,7 @@ def test_sliced_query_and_output(kvsentry_ops):
     big_q = torch.randn(9, *query.shape[1:])
     big_q[:4] = query
     big_out = torch.zeros(9, query.shape[1], v.shape[-1])
-    kvsentry_ops.paged_decode_attention(big_out[:4], big_q[:4], k, v, tables, lens, num_read, 0.17)
+    kvsentry_ops.paged_decode_attention(big_out[:4], big_q[:4], k, v, tables, lens, None, num_read, 0.17)
     torch.testing.assert_close(big_out[:4], run_reference(query, k, v, tables, lens, num_read), rtol=2e-6, atol=2e-6)
     assert torch.equal(big_out[4:], torch.zeros_like(big_out[4:]))
 
@@ -98,7 +107,7 @@ def test_nan_in_a_real_position_spreads_to_that_request_only(kvsentry_ops):
 def test_empty_batch_and_no_blocks(kvsentry_ops):
     query, k, v, tables, lens, num_read = make_case()
     out = torch.empty(0, 8, 32)
-    kvsentry_ops.paged_decode_attention(out, query[:0], k, v, tables, lens, num_read, 0.1)
+    kvsentry_ops.paged_decode_attention(out, query[:0], k, v, tables, lens, None, num_read, 0.1)
 
 
 BAD = [
@@ -111,18 +120,21 @@ BAD = [
     (lambda c: c["tables"].__setitem__((1, 0), -1), "block table entries must lie in"),
     (lambda c: c.update(out=c["out"][:, :, :5]), "out must be"),
     (lambda c: c.update(query=c["query"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous last dimension"),
+    (lambda c: c.update(reads=torch.full((6,), 99, dtype=torch.int32)), "read_blocks must lie in"),
+    (lambda c: c.update(reads=torch.full((6,), 2, dtype=torch.int64)), "read_blocks must be a contiguous int32"),
+    (lambda c: c.update(reads=torch.full((2,), 2, dtype=torch.int32)), "read_blocks must be a contiguous int32"),
 ]
 
 
 @pytest.mark.parametrize("mutate, message", BAD, ids=[m for _, m in BAD])
 def test_checks(kvsentry_ops, mutate, message):
     query, k, v, tables, lens, num_read = make_case()
-    case = dict(query=query, tables=tables, lens=lens, num_read=num_read,
+    case = dict(query=query, tables=tables, lens=lens, num_read=num_read, reads=None,
                 out=torch.empty(query.shape[0], query.shape[1], v.shape[-1]))
     mutate(case)
     with pytest.raises(RuntimeError, match=message):
         kvsentry_ops.paged_decode_attention(case["out"], case["query"], k, v, case["tables"], case["lens"],
-                                            case["num_read"], 0.1)
+                                            case["reads"], case["num_read"], 0.1)
 
 
 def test_paged_attention_dispatches_to_the_kernel(kvsentry_ops, monkeypatch):
@@ -144,3 +156,52 @@ def test_paged_attention_dispatches_to_the_kernel(kvsentry_ops, monkeypatch):
     assert len(calls) == 1
     torch.testing.assert_close(fast, slow, rtol=2e-6, atol=2e-6)
     assert torch.equal(fast[4:], torch.zeros_like(fast[4:]))  # padded rows stay zero
+
+
+def test_plan_groups_similar_lengths():
+    # blocks of 16: 36, 35, 20, 18, 9, 3, 1 blocks
+    lens = [570, 560, 320, 288, 140, 40, 3]
+    plan = plan_decode_reads(lens, 16, torch.device("cpu"))
+    assert plan.num_read == 36
+    # Up to half of 36 short joins the longest (20, 18); 9 starts a group; 3 is 6 short of
+    # 9 (over the slack of 4 blocks) and starts one; 1 is within the slack of 3.
+    assert plan.reads.tolist() == [36, 36, 36, 36, 9, 3, 3]
+    assert sorted(sorted(r.tolist()) for r, _ in plan.groups) == [[0, 1, 2, 3], [4], [5, 6]]
+    assert plan_decode_reads([], 16, torch.device("cpu")).num_read == 0
+
+
+def test_plan_keeps_small_padding_together():
+    """A short request beside a long one still reads the long one's null-block padding
+    while the difference is within the slack (the engine's null-block hazard test)."""
+    plan = plan_decode_reads([40, 3], 16, torch.device("cpu"))
+    assert plan.reads.tolist() == [3, 3] and len(plan.groups) == 1
+    far = plan_decode_reads([16 * (2 * PAD_SLACK_BLOCKS + 2), 3], 16, torch.device("cpu"))
+    assert far.reads.tolist() == [2 * PAD_SLACK_BLOCKS + 2, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_grouped_reads_match_the_grouped_reference(kvsentry_ops, dtype):
+    query, k, v, tables, lens, num_read = make_case(batch=8, max_len=300, num_blocks=200, dtype=dtype,
+                                                    lens=[300, 290, 150, 140, 60, 20, 5, 1])
+    plan = plan_decode_reads(lens.tolist(), 16, torch.device("cpu"))
+    assert len(plan.groups) > 1
+    out = run_kernel(kvsentry_ops, query, k, v, tables, lens, plan.num_read, plan=plan)
+    ref = run_reference(query, k, v, tables, lens, plan.num_read, plan=plan)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    # Padding never changes a clean result: the same as every row reading the batch's longest.
+    torch.testing.assert_close(out.float(), run_reference(query, k, v, tables, lens, num_read).float(),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_grouped_reads_spread_null_block_nan_within_groups_only(kvsentry_ops):
+    query, k, v, tables, lens, num_read = make_case(batch=4, max_len=320, num_blocks=200,
+                                                    lens=[320, 300, 150, 20])
+    plan = plan_decode_reads(lens.tolist(), 16, torch.device("cpu"))
+    assert plan.reads.tolist() == [20, 20, 20, 2]
+    v[0, 0, 0, 0] = float("nan")
+    out = run_kernel(kvsentry_ops, query, k, v, tables, lens, plan.num_read, plan=plan)
+    ref = run_reference(query, k, v, tables, lens, plan.num_read, plan=plan)
+    assert torch.equal(out.isnan(), ref.isnan())
+    # Rows 1 and 2 read null entries up to their group's 20 blocks; row 3 (2 blocks) is
+    # in a group of its own and reads none, nor does the longest.
+    assert out.isnan().flatten(1).any(dim=1).tolist() == [False, True, True, False]

@@ -20,7 +20,7 @@ out = torch.empty(1, 2, 4)
 q = torch.ones(1, 2, 4)
 k = torch.zeros(3, 4, 1, 4)
 v = torch.arange(48.0).view(3, 4, 1, 4)
-cpu_ops.paged_decode_attention(out, q, k, v, torch.tensor([[2]], dtype=torch.int32), torch.tensor([4]), 1, 1.0)
+cpu_ops.paged_decode_attention(out, q, k, v, torch.tensor([[2]], dtype=torch.int32), torch.tensor([4]), None, 1, 1.0)
 print("mean", out[0, 0].tolist())
 """
 
