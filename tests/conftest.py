@@ -18,6 +18,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TEST_INIT_SCALE = 0.3
 
 
+def pytest_sessionstart(session):
+    """Build (or load) csrc/'s CPU kernels once, before any test: otherwise the first
+    server or rank subprocess pays the ~15-40 s compile inside its readiness timeout."""
+    from engine import cpu_ops
+    cpu_ops.available()
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint("tiny-llama", **overrides) -> path of a cached tiny checkpoint."""
