@@ -66,12 +66,13 @@ class Linear(nn.Linear):
 
 def pack_linears(model: nn.Module) -> None:
     """CPU only: fuse what can be fused (modules with a `fuse` method), then pack every
-    remaining Linear. Run once, after the weights are loaded."""
+    remaining Linear and stacked experts (modules with a `pack` method). Run once, after
+    the weights are loaded."""
     for module in model.modules():
         if module is not model and hasattr(module, "fuse"):
             module.fuse()
     for module in model.modules():
-        if isinstance(module, Linear):
+        if module is not model and callable(getattr(module, "pack", None)):
             module.pack()
 
 

@@ -15,6 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
+from engine.models.cpu_gemm import PackedLinear
 from engine.models.expert_parallel import ExpertParallel
 from engine.models.layers import Linear, SiluMLP, StepContext
 from engine.models.llama import CausalLM
@@ -145,6 +146,17 @@ class StackedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(len(owned), 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(len(owned), hidden_size, intermediate_size))
+        self.packed: list[tuple[PackedLinear, PackedLinear]] | None = None  # CPU, see pack()
+
+    def pack(self) -> None:
+        """CPU: one oneDNN-prepacked gate|up and down per local expert (see cpu_gemm); the
+        stacked parameters are released."""
+        if self.gate_up_proj.device.type != "cpu" or self.gate_up_proj.numel() == 0:
+            return
+        self.packed = [(PackedLinear(self.gate_up_proj[i]), PackedLinear(self.down_proj[i]))
+                       for i in range(len(self.owned))]
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.new_empty(0), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.new_empty(0), requires_grad=False)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, Callable[[], torch.Tensor]]:
         """Checkpoint name -> (lazy) view of the parameter slice it fills; local experts only."""
@@ -182,8 +194,13 @@ class StackedExperts(nn.Module):
             picked = flat[start:start + count]
             start += count
             token_idx = picked // top_k
-            gate, up = F.linear(hidden[token_idx], self.gate_up_proj[local]).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, self.down_proj[local])
+            if self.packed is not None:
+                gate_up, down = self.packed[local]
+                gate, up = gate_up(hidden[token_idx]).chunk(2, dim=-1)
+                expert_out = down(F.silu(gate) * up)
+            else:
+                gate, up = F.linear(hidden[token_idx], self.gate_up_proj[local]).chunk(2, dim=-1)
+                expert_out = F.linear(F.silu(gate) * up, self.down_proj[local])
             expert_out = expert_out * weights[picked, None]
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         return out

@@ -152,7 +152,8 @@ def test_wants_weight_skips_other_ranks_experts(ep_run):
     assert not model.wants_weight("model.layers.1.mlp.experts.3.up_proj.weight")
     assert model.wants_weight("model.layers.1.mlp.experts.4.up_proj.weight")
     assert model.wants_weight("model.layers.1.mlp.shared_experts.up_proj.weight")
-    assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 4
+    experts = model.model.layers[1].mlp.experts
+    assert experts.owned == range(4, 8) and len(experts.packed) == 4  # prepacked per local expert on CPU
     expected = model.expected_weights()
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in expected
     assert "model.layers.2.mlp.experts.0.down_proj.weight" not in expected

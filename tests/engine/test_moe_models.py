@@ -134,7 +134,8 @@ def test_stacked_experts_follow_the_checkpoint_names(checkpoints):
     assert "model.layers.0.block_sparse_moe.gate.weight" in names
     assert not any(name.endswith(".experts.gate_up_proj") for name in names)
     experts = model.model.layers[0].block_sparse_moe.experts
-    assert isinstance(experts, StackedExperts) and experts.gate_up_proj.shape[0] == 4
+    assert isinstance(experts, StackedExperts) and len(experts.owned) == 4
+    assert len(experts.packed) == 4 and experts.gate_up_proj.numel() == 0  # packed for oneDNN, stack released
 
 
 def test_deepseek_modules_match_config(checkpoints):
