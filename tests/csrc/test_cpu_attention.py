@@ -205,3 +205,26 @@ def test_grouped_reads_spread_null_block_nan_within_groups_only(kvsentry_ops):
     # Rows 1 and 2 read null entries up to their group's 20 blocks; row 3 (2 blocks) is
     # in a group of its own and reads none, nor does the longest.
     assert out.isnan().flatten(1).any(dim=1).tolist() == [False, True, True, False]
+
+
+def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoint, monkeypatch):
+    """The whole engine, kernel on (the default) and off (KVSENTRY_DISABLE_CPU_OPS=1, the
+    torch reference): the same greedy tokens and logprobs for a mixed-length batch."""
+    from engine import LLM, SamplingParams
+    path = checkpoint("tiny-llama")
+    prompts = [list(range(5, 5 + n)) for n in (1, 7, 40, 90, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    llm = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16)
+    calls = []
+    real = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: (calls.append(1), real(*a)))
+    fast = llm.generate(prompts, params)
+    assert calls, "the engine did not use the kernel"
+    monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
+    calls.clear()
+    slow = llm.generate(prompts, params)
+    assert not calls
+    for a, b in zip(fast, slow):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for token, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(x[token].logprob - y[token].logprob) < 1e-4
