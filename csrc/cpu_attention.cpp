@@ -337,6 +337,13 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
                 ", ", high.item<int32_t>(), "]");
     reads = rows.data_ptr<int32_t>();
   }
+  // A row whose length runs past what it reads would silently drop its newest tokens.
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    const int64_t span = (reads != nullptr ? reads[b] : num_read_blocks) * key_cache.size(1);
+    TORCH_CHECK(lens[b] <= span, kOp, ": seq_lens[", b, "] = ", lens[b], " exceeds the ", span,
+                " positions its row reads (read_blocks or num_read_blocks times block_size)");
+  }
   // A table entry outside the pool would read out of bounds: check the ones read.
   const Tensor read = block_tables.narrow(0, 0, query.size(0)).narrow(1, 0, num_read_blocks);
   if (read.numel() > 0) {

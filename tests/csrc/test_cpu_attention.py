@@ -123,6 +123,8 @@ BAD = [
     (lambda c: c.update(reads=torch.full((6,), 99, dtype=torch.int32)), "read_blocks must lie in"),
     (lambda c: c.update(reads=torch.full((6,), 2, dtype=torch.int64)), "read_blocks must be a contiguous int32"),
     (lambda c: c.update(reads=torch.full((2,), 2, dtype=torch.int32)), "read_blocks must be a contiguous int32"),
+    (lambda c: c.update(reads=torch.full((6,), 2, dtype=torch.int32)), "exceeds the .* positions its row reads"),
+    (lambda c: c.update(num_read=3), "exceeds the .* positions its row reads"),
 ]
 
 
