@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 
@@ -25,12 +26,16 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _build_ok() -> bool:
+    started = time.monotonic()
     try:
         if torch.cuda.is_available():
             if not cuda_ops.available():
                 return False
         else:
+            # A first start compiles csrc/ (seconds to a minute); later ones load the cache.
+            log.info("kvsentry CPU kernels: building or loading from %s", cuda_ops.default_build_directory(False))
             cuda_ops.build(with_cuda=False)
+        log.info("kvsentry CPU kernels ready in %.1f s", time.monotonic() - started)
         return hasattr(torch.ops.kvsentry, "paged_decode_attention")
     except Exception as exc:  # no compiler, no ninja, a compile error...
         if os.environ.get("KVSENTRY_REQUIRE_CPU_OPS") == "1":
