@@ -3,7 +3,7 @@
 //   torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache,
 //       block_tables, seq_lens, read_blocks=None, num_read_blocks, scale) -> ()
 //
-// One query token per request, read straight out of the paged cache: no gather
+// One query token per row, read straight out of the paged cache: no gather
 // of K/V into a contiguous copy (the torch path's main cost), no materialised
 // score tensor. Work items are (request, kv head) pairs run in parallel by
 // torch's intra-op pool; the G query heads that share a kv head are done
@@ -18,6 +18,11 @@
 // product still runs over them: 0 x NaN = NaN, so a NaN planted in block 0
 // reaches the output exactly as it does through the reference. The sentinel,
 // not this kernel, guards block 0.
+//
+// Prefill uses it too: the token at position p of a request is a row with
+// seq_len = p + 1 over that request's table row (causal attention, one query
+// at a time; engine/attention.py, PrefillPlan). On this project's CPU that is
+// faster than torch's flash SDPA, whose inner GEMMs take MKL's generic path.
 //
 // Accumulation is float32 for every cache dtype (float32, bfloat16, float16).
 #include <ATen/Dispatch.h>

@@ -41,6 +41,7 @@ class AttentionMetadata:
             self.num_decodes = count
 
     _decode_plan: DecodePlan | None = field(default=None, repr=False)
+    _prefill_plan: PrefillPlan | None = field(default=None, repr=False)
 
     @property
     def max_decode_seq_len(self) -> int:
@@ -51,6 +52,12 @@ class AttentionMetadata:
         if self._decode_plan is None:
             self._decode_plan = plan_decode_reads(self.seq_lens_cpu[:self.num_decodes], block_size, device)
         return self._decode_plan
+
+    def prefill_plan(self, block_size: int, device: torch.device) -> PrefillPlan:
+        """The prefill tokens as one-query rows (for the CPU kernel); computed once per step."""
+        if self._prefill_plan is None:
+            self._prefill_plan = plan_prefill_rows(self, block_size, device)
+        return self._prefill_plan
 
 
 # A row shares its group's padded length when that costs at most half its group's longest,
@@ -67,6 +74,31 @@ class DecodePlan:
     reads: torch.Tensor                       # [B] int32 table entries row b reads
     num_read: int                             # the most any row reads
     groups: list[tuple[torch.Tensor, int]]    # (rows [n] int64, entries they read)
+
+
+@dataclass
+class PrefillPlan:
+    """Causal prefill as one-query rows: the token at position p of a request attends to
+    positions [0, p] of that request, which is decode attention with seq_len = p + 1 over
+    the request's block-table row. Rows read only their own request's blocks."""
+    tables: torch.Tensor    # [T, num_read] int32, each prefill token's request's table row
+    seq_lens: torch.Tensor  # [T] int64 position + 1
+    reads: torch.Tensor     # [T] int32 table entries each row reads
+    num_read: int
+
+
+def plan_prefill_rows(meta: AttentionMetadata, block_size: int, device: torch.device) -> PrefillPlan:
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    first = meta.num_decodes
+    counts = [starts[i + 1] - starts[i] for i in range(first, meta.num_reqs)]
+    owner = torch.repeat_interleave(torch.arange(first, meta.num_reqs), torch.tensor(counts))
+    seq_lens = torch.cat([torch.arange(lens[i] - n + 1, lens[i] + 1) for i, n in zip(range(first, meta.num_reqs),
+                                                                                       counts)])
+    num_read = max(-(-lens[i] // block_size) for i in range(first, meta.num_reqs))
+    tables = meta.block_tables.index_select(0, owner.to(meta.block_tables.device))[:, :num_read].contiguous()
+    return PrefillPlan(tables=tables, seq_lens=seq_lens.to(device),
+                       reads=((seq_lens + block_size - 1) // block_size).to(torch.int32).to(device),
+                       num_read=num_read)
 
 
 def plan_decode_reads(seq_lens: list[int], block_size: int, device: torch.device) -> DecodePlan:
@@ -168,9 +200,10 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
     block_size = key_cache.shape[1]
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decodes = meta.num_decodes
+    use_kernel = query.device.type == "cpu" and key_cache.dtype == query.dtype and cpu_ops.available()
     if decodes:  # one query token each, so their query rows are [0, decodes)
         plan = meta.decode_plan(block_size, query.device)
-        if query.device.type == "cpu" and key_cache.dtype == query.dtype and cpu_ops.available():
+        if use_kernel:
             # The C++ kernel reads the blocks in place: same semantics as below, no gather.
             cpu_ops.paged_decode_attention(out[:decodes], query[:decodes], key_cache, value_cache,
                                            meta.block_tables, meta.seq_lens, plan.reads, plan.num_read, scale)
@@ -178,6 +211,13 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
             out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
                                                        meta.block_tables[:decodes], meta.seq_lens[:decodes],
                                                        plan, scale)
+    if meta.num_reqs > decodes and use_kernel:
+        # Every prefill token of every request in one kernel call (see PrefillPlan).
+        first, last = starts[decodes], starts[meta.num_reqs]
+        plan = meta.prefill_plan(block_size, query.device)
+        cpu_ops.paged_decode_attention(out[first:last], query[first:last], key_cache, value_cache,
+                                       plan.tables, plan.seq_lens, plan.reads, plan.num_read, scale)
+        return out
     for i in range(decodes, meta.num_reqs):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
         num_new = q_end - q_start

@@ -1,4 +1,5 @@
-"""The CPU kernels of csrc/ (paged decode attention), JIT-built on first use.
+"""The CPU kernels of csrc/ (paged attention, one query token per row: decode, and
+prefill as one row per token), JIT-built on first use.
 
 They live in the same library as the CUDA KV writers (engine.cuda_ops builds it:
 the CPU-only flavour here, the CUDA one on a machine with a GPU, which carries

@@ -230,3 +230,31 @@ def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoi
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for token, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert abs(x[token].logprob - y[token].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_prefill_rows_match_sdpa(kvsentry_ops, monkeypatch, dtype):
+    """Decodes, a fresh prompt and a chunk after a cached prefix in one step: the kernel
+    (prefill tokens as one-query rows with seq_len = position + 1) against the torch path
+    (SDPA per request)."""
+    lens = [120, 33, 45, 110]         # rows 0-1 decode; row 2 a fresh 45-token prompt; row 3 a
+    new = [1, 1, 45, 30]              # 30-token chunk after 80 cached tokens
+    query_all, k, v, tables, seq_lens, _ = make_case(batch=4, max_len=120, num_blocks=64, dtype=dtype, lens=lens)
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(starts[-1] + 3, 8, 32, generator=g).to(dtype)  # 3 padded rows
+    meta = AttentionMetadata(num_reqs=4, num_tokens=starts[-1], num_padded_tokens=query.shape[0],
+                             slot_mapping=torch.full((query.shape[0],), -1), query_start_loc=torch.tensor(starts),
+                             seq_lens=seq_lens, block_tables=tables, query_start_loc_cpu=starts,
+                             seq_lens_cpu=lens, max_seq_len=max(lens))
+    assert meta.num_decodes == 2
+    plan = meta.prefill_plan(16, torch.device("cpu"))
+    assert plan.seq_lens.tolist() == list(range(1, 46)) + list(range(81, 111))
+    assert plan.reads.tolist()[:2] == [1, 1] and plan.reads.tolist()[-1] == 7
+    fast = paged_attention(query, k, v, meta, 0.2)
+    monkeypatch.setattr(attention.cpu_ops, "available", lambda: False)
+    slow = paged_attention(query, k, v, meta, 0.2)
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(fast[starts[-1]:], torch.zeros_like(fast[starts[-1]:]))
