@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import cpu_ops
 from engine.attention import AttentionMetadata, _attend, gather_kv
 from engine.config import EngineConfig
 from engine.kv_writer import write_mla
@@ -210,11 +211,20 @@ class MLAAttention(nn.Module):
         if num_reqs == 0:
             return out
         num_read = -(-meta.max_decode_seq_len // cache.shape[1])
-        latent = gather_kv(cache, meta.block_tables[:num_reqs, :num_read])           # [B, L, R + rope]
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]              # [H, nope|v, R]
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope[:num_reqs], w_uk)
         query = torch.cat([q_latent, q_pe[:num_reqs]], dim=-1)                     # [B, H, R + rope]
+        if cache.device.type == "cpu" and cache.dtype == query.dtype and cpu_ops.available():
+            # The latent cache is one shared kv head (keys: the whole row, values: its first R
+            # entries): MQA for the CPU kernel, every row reading the batch's longest, as below.
+            out_latent = query.new_empty(num_reqs, self.num_heads, self.kv_lora_rank)
+            cpu_ops.paged_decode_attention(out_latent, query, cache.unsqueeze(2),
+                                           cache[..., :self.kv_lora_rank].unsqueeze(2), meta.block_tables,
+                                           meta.seq_lens, None, num_read, self.scale)
+            out[:num_reqs] = torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
+            return out
+        latent = gather_kv(cache, meta.block_tables[:num_reqs, :num_read])           # [B, L, R + rope]
         positions = torch.arange(latent.shape[1], device=latent.device)
         allowed = (positions[None, :] < meta.seq_lens[:num_reqs, None]).view(num_reqs, 1, 1, -1)
         # Heads take the place of query positions: one shared latent "head" serves them all.

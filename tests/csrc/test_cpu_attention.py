@@ -209,11 +209,13 @@ def test_grouped_reads_spread_null_block_nan_within_groups_only(kvsentry_ops):
     assert out.isnan().flatten(1).any(dim=1).tolist() == [False, True, True, False]
 
 
-def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoint, monkeypatch):
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v3"])
+def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoint, monkeypatch, preset):
     """The whole engine, kernel on (the default) and off (KVSENTRY_DISABLE_CPU_OPS=1, the
-    torch reference): the same greedy tokens and logprobs for a mixed-length batch."""
+    torch reference): the same greedy tokens and logprobs for a mixed-length batch. For
+    DeepSeek the kernel runs MLA decode (the latent cache as one shared kv head)."""
     from engine import LLM, SamplingParams
-    path = checkpoint("tiny-llama")
+    path = checkpoint(preset)
     prompts = [list(range(5, 5 + n)) for n in (1, 7, 40, 90, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     llm = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16)
