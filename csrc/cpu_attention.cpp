@@ -36,7 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <vector>
+#include <algorithm>
 
 namespace {
 
