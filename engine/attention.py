@@ -8,6 +8,7 @@ not the attention, is what guards the null block.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,13 @@ class DecodePlan:
     padding a short request reads next to a long one; it never removes it."""
     reads: torch.Tensor                       # [B] int32 table entries row b reads
     num_read: int                             # the most any row reads
-    groups: list[tuple[torch.Tensor, int]]    # (rows [n] int64, entries they read)
+    groups: list[tuple[list[int], int]]       # (rows, entries they read)
+
+    @functools.cached_property
+    def group_rows(self) -> list[tuple[torch.Tensor, int]]:
+        """The groups' rows as index tensors, for the torch path: built once per step, on
+        first use (the CPU kernel reads `reads` and never needs them)."""
+        return [(torch.tensor(rows, dtype=torch.int64, device=self.reads.device), n) for rows, n in self.groups]
 
 
 @dataclass
@@ -114,7 +121,7 @@ def plan_decode_reads(seq_lens: list[int], block_size: int, device: torch.device
         reads[i] = groups[-1][1]
     return DecodePlan(reads=torch.tensor(reads, dtype=torch.int32, device=device),
                       num_read=max(blocks, default=0),
-                      groups=[(torch.tensor(rows, dtype=torch.int64, device=device), n) for rows, n in groups])
+                      groups=groups)
 
 
 def gather_kv(cache: torch.Tensor,         # [num_blocks, block_size, *rest]
@@ -174,7 +181,7 @@ def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
     """One query token per request, each group of rows over its longest row's table entries
     (the torch reference of csrc/cpu_attention.cpp, and the path on GPUs)."""
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
-    for rows, num_read in plan.groups:
+    for rows, num_read in plan.group_rows:
         group_tables = tables.index_select(0, rows)[:, :num_read]
         positions = torch.arange(num_read * key_cache.shape[1], device=query.device)
         allowed = positions[None, :] < seq_lens.index_select(0, rows)[:, None]  # [n, L]

@@ -14,7 +14,6 @@ float32 logit), like any two BLAS libraries do.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,7 +66,3 @@ def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
                           for layer, b in zip(layers, biases)])
     return PackedLinear(weight, bias)
 
-
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What PackedLinear computes, the plain torch way (tests compare against it)."""
-    return F.linear(x, weight, bias)

@@ -48,7 +48,7 @@ class Linear(nn.Linear):
         self.packed: PackedLinear | None = None
 
     def pack(self) -> None:
-        if self.weight.device.type != "cpu" or self.weight.numel() == 0:
+        if self.weight.numel() == 0:  # released: a fused layer computes it
             return
         self.packed = PackedLinear(self.weight, self.bias)
         if not self.keep_weight:
@@ -65,7 +65,7 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> None:
-    """CPU only: fuse what can be fused (modules with a `fuse` method), then pack every
+    """CPU only (the caller checks): fuse what can be fused (modules with a `fuse` method), then pack every
     remaining Linear and stacked experts (modules with a `pack` method). Run once, after
     the weights are loaded."""
     for module in model.modules():
@@ -88,10 +88,9 @@ class SiluMLP(nn.Module):
 
     def fuse(self) -> None:
         """One gate|up matmul instead of two: one pass over the activations."""
-        if self.gate_proj.weight.device.type == "cpu" and self.gate_proj.weight.numel():
-            self.gate_up = fused_linear(self.gate_proj, self.up_proj)
-            self.gate_proj.release()
-            self.up_proj.release()
+        self.gate_up = fused_linear(self.gate_proj, self.up_proj)
+        self.gate_proj.release()
+        self.up_proj.release()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -44,8 +44,6 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One q|k|v matmul instead of three."""
-        if self.q_proj.weight.device.type != "cpu" or not self.q_proj.weight.numel():
-            return
         self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             proj.release()

@@ -151,8 +151,6 @@ class StackedExperts(nn.Module):
     def pack(self) -> None:
         """CPU: one oneDNN-prepacked gate|up and down per local expert (see cpu_gemm); the
         stacked parameters are released."""
-        if self.gate_up_proj.device.type != "cpu" or self.gate_up_proj.numel() == 0:
-            return
         self.packed = [(PackedLinear(self.gate_up_proj[i]), PackedLinear(self.down_proj[i]))
                        for i in range(len(self.owned))]
         self.gate_up_proj = nn.Parameter(self.gate_up_proj.new_empty(0), requires_grad=False)

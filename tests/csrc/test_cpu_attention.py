@@ -40,7 +40,7 @@ def make_case(*, batch=6, num_heads=8, num_kv_heads=4, head_dim=32, v_dim=None, 
 def uniform_plan(batch: int, num_read: int) -> DecodePlan:
     """Every row reads num_read entries: one group (the kernel's read_blocks=None)."""
     return DecodePlan(reads=torch.full((batch,), num_read, dtype=torch.int32), num_read=num_read,
-                      groups=[(torch.arange(batch), num_read)])
+                      groups=[(list(range(batch)), num_read)])
 
 
 def run_kernel(ops, query, k_cache, v_cache, tables, seq_lens, num_read, scale=0.17, plan=None):
@@ -168,7 +168,7 @@ def test_plan_groups_similar_lengths():
     # Up to half of 36 short joins the longest (20, 18); 9 starts a group; 3 is 6 short of
     # 9 (over the slack of 4 blocks) and starts one; 1 is within the slack of 3.
     assert plan.reads.tolist() == [36, 36, 36, 36, 9, 3, 3]
-    assert sorted(sorted(r.tolist()) for r, _ in plan.groups) == [[0, 1, 2, 3], [4], [5, 6]]
+    assert sorted(sorted(rows) for rows, _ in plan.groups) == [[0, 1, 2, 3], [4], [5, 6]]
     assert plan_decode_reads([], 16, torch.device("cpu")).num_read == 0
 
 
