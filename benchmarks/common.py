@@ -1,8 +1,19 @@
 """What the offline benchmarks share: the bench-llama checkpoint and fixed random prompts."""
 from __future__ import annotations
 
+import argparse
 import random
 import tempfile
+
+
+def workload_parser() -> argparse.ArgumentParser:
+    """The flags every offline benchmark shares: checkpoint and the fixed workload."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="checkpoint dir (default: write the bench-llama preset)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    return parser
 
 
 def bench_checkpoint(path: str | None) -> str:

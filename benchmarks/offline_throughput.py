@@ -5,21 +5,16 @@ same prompts, one run. 32 requests x 128-token prompts x 64 new tokens, greedy.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from common import bench_checkpoint, random_prompts
+from common import bench_checkpoint, random_prompts, workload_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", help="checkpoint dir (default: write the bench-llama preset)")
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser = workload_parser()
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each engine")
     args = parser.parse_args()

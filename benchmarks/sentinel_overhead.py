@@ -5,23 +5,18 @@ and in each mode, interleaved over several rounds in one run (median per mode).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from common import bench_checkpoint, random_prompts
+from common import bench_checkpoint, random_prompts, workload_parser
 
 MODES = ["off", "null-block", "rolling", "full"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", help="checkpoint dir (default: write the bench-llama preset)")
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser = workload_parser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--threads", type=int, default=1)

@@ -161,12 +161,12 @@ async def bench(url: str, server: str, args: argparse.Namespace) -> list[RunResu
     results = []
     # Warm-up: the first requests pay for lazy initialisation on either server.
     await run_level(url, model, server, Workload("warmup", [16]), 2, 4, 8, tuple(args.token_range), headers, 0)
-    for workload in workloads(args):
+    for workload_index, workload in enumerate(workloads(args)):
         for concurrency in args.concurrency:
             requests = max(concurrency * args.requests_per_client, args.min_requests)
             # Fresh prompts per level (the same for every server): a prompt repeated from an
             # earlier level would measure the prefix cache instead of the engine.
-            level_seed = args.seed * 1_000_003 + concurrency * 7919 + len(workload.name) * 104_729
+            level_seed = (args.seed * 1_000_003 + workload_index) * 1_000_003 + concurrency
             result = await run_level(url, model, server, workload, concurrency, requests, args.output_len,
                                      tuple(args.token_range), headers, level_seed)
             print(format_row(result.row()), flush=True)
