@@ -8,7 +8,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import bad_request, error_body, from_value_error
+from service.errors import bad_request, from_value_error
 from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, complete, encode,
                               sampling_params, start_generation)
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -76,12 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   logprobs=logprobs_out, finish_reason=sample.finish_reason,
                                   stop_reason=sample.stop_reason))
     return ChatCompletionResponse(id=gen.request_id, created=created, model=state.model_name,
-                                  choices=choices, usage=_usage(gen))
-
-
-def _usage(gen: Generation) -> UsageInfo:
-    return UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                     total_tokens=gen.prompt_tokens + gen.completion_tokens)
+                                  choices=choices, usage=gen.usage())
 
 
 async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
@@ -118,11 +113,9 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
             if choices:
                 yield chunk(choices)
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], _usage(gen))
+            yield chunk([], gen.usage())
     except EngineFailed as exc:
-        gen.outcome = "engine_error"
         failed = [choice(j, {}, finish_reason="error") for j in range(body.n) if j not in finished]
-        if failed:
-            yield chunk(failed)
-        yield event(error_body(500, f"the engine failed while serving this request: {exc}", None, "engine_error"))
+        for line in gen.stream_failure(chunk(failed) if failed else None, exc):
+            yield line
     yield DONE

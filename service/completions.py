@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import bad_request, error_body
+from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, complete, encode,
                               sampling_params, start_generation)
 from service.logprobs import merge
@@ -84,12 +84,7 @@ def _response(state: AppState, gen: Generation, body: CompletionRequest, created
                                             logprobs=logprobs, finish_reason=sample.finish_reason,
                                             stop_reason=sample.stop_reason))
     return CompletionResponse(id=gen.request_id, created=created, model=state.model_name, choices=choices,
-                              usage=_usage(gen))
-
-
-def _usage(gen: Generation) -> UsageInfo:
-    return UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                     total_tokens=gen.prompt_tokens + gen.completion_tokens)
+                              usage=gen.usage())
 
 
 async def _stream(state: AppState, gen: Generation, body: CompletionRequest, created: int) -> AsyncIterator[str]:
@@ -131,12 +126,10 @@ async def _stream(state: AppState, gen: Generation, body: CompletionRequest, cre
             if choices:
                 yield chunk(choices)
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], _usage(gen))
+            yield chunk([], gen.usage())
     except EngineFailed as exc:
-        gen.outcome = "engine_error"
         failed = [{"index": i * n + j, "text": "", "logprobs": None, "finish_reason": "error", "stop_reason": None}
                   for i in range(len(gen.prompts)) for j in range(n) if i * n + j not in finished]
-        if failed:
-            yield chunk(failed)
-        yield event(error_body(500, f"the engine failed while serving this request: {exc}", None, "engine_error"))
+        for line in gen.stream_failure(chunk(failed) if failed else None, exc):
+            yield line
     yield DONE

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from engine.messages import EngineRequest
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
-from service.errors import APIError, bad_request, from_value_error
+from service.errors import APIError, bad_request, error_body, from_value_error
 from service.logs import log_event
-from service.protocol import SamplingFields
+from service.protocol import SamplingFields, UsageInfo
+from service.sse import event
 from service.state import AppState
 
 logger = logging.getLogger("kvsentry.request")
@@ -250,6 +251,17 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(s.token_ids) for rs in self.states for s in rs.samples)
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens)
+
+    def stream_failure(self, failed_choices: str | None, exc: EngineFailed) -> list[str]:
+        """How a stream ends when the engine failed under it: the unfinished choices (an
+        already-encoded chunk with finish_reason "error", or None), then an error event."""
+        self.outcome = "engine_error"
+        error = event(error_body(500, f"the engine failed while serving this request: {exc}", None, "engine_error"))
+        return [failed_choices, error] if failed_choices else [error]
 
 
 async def wait_for_disconnect(receive) -> None:
