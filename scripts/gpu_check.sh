@@ -5,11 +5,16 @@
 #      and the whole engine on CUDA vs CPU, tiny Llama and tiny DeepSeek-V3)
 #   3. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
 #   4. a summary; exit 0 only when every step passed
+# Before any of it: wheels carried in .whl/ (scripts/gpu_wheels.sh; the lent machine reaches no
+# package registry) go into a private site directory, and every module the check imports must
+# load, or it stops at once, naming what is missing, before spending device time on a build.
 #
 # Logs, junit XML and the bandwidth JSON go to $OUT when set (the device tool brings that
 # folder back), else to build/gpu_check. Run from anywhere:
 #   scripts/gpu_check.sh
 #   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh    # a torch built with CUDA
+# Through the device tool: scripts/gpu_wheels.sh here, then run "scripts/gpu_check.sh" with
+# carry [".whl"] and timeout_s 420 (a rerun must fit in the 15 minutes).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT_DIR=${OUT:-build/gpu_check}
@@ -19,19 +24,25 @@ declare -A STATUS SECONDS_TAKEN
 
 say() { printf '\n=== %s (t+%ss)\n' "$*" "$(( $(date +%s) - T0 ))"; }
 
-# A python whose torch sees a GPU: $PYTHON, the repo's venv, then what is on PATH.
+# A python whose torch sees a GPU: $PYTHON, the repo's venv, then what is on PATH. Without one,
+# the first that has torch at all (so the module check below still reports), else nothing.
 pick_python() {
-  local candidate
+  local candidate fallback=""
   for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
     [ -n "$candidate" ] || continue
     command -v "$candidate" >/dev/null 2>&1 || continue
+    "$candidate" -c 'import torch' 2>/dev/null || continue
+    [ -n "$fallback" ] || fallback=$candidate
     if "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
       echo "$candidate"
       return 0
     fi
   done
-  return 1
+  [ -n "$fallback" ] && echo "$fallback"
 }
+
+# What the build, tests/gpu and the benchmark import (engine/ and tests/ alike).
+REQUIRED_MODULES="torch msgspec safetensors tokenizers numpy jinja2 pytest ninja"
 
 # run_step NAME TIMEOUT_S LOG -- command...: records PASS/FAIL/TIMEOUT and the time taken.
 run_step() {
@@ -58,7 +69,41 @@ else
 fi
 command -v nvcc >/dev/null && nvcc --version | tail -n 2
 command -v ninja >/dev/null && echo "ninja $(ninja --version)" || echo "ninja: not on PATH (pip install ninja; torch's JIT build needs it)"
-if ! PY=$(pick_python); then
+PY=$(pick_python)
+if [ -z "$PY" ]; then
+  echo "No python with torch (set PYTHON=...). Nothing checked."
+  exit 2
+fi
+WHEELS=${KVSENTRY_WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  # Into a directory of their own, behind the image's packages: a carried wheel only fills a gap.
+  SITE=${KVSENTRY_WHEEL_SITE:-/tmp/kvsentry-site}
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl; then
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
+    echo "carried wheels installed into $SITE: $(cd "$WHEELS" && ls -1 -- *.whl | tr '\n' ' ')"
+  else
+    echo "carried wheels in $WHEELS did not install (built for another python?)."
+  fi
+fi
+missing=$("$PY" - $REQUIRED_MODULES <<'EOF'
+import importlib, sys
+missing = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        missing.append(name)
+print(" ".join(missing))
+EOF
+)
+if [ -n "$missing" ]; then
+  echo "missing python modules: $missing. Nothing checked. Fetch wheels on a machine with a registry"
+  echo "(scripts/gpu_wheels.sh $missing) and carry .whl with the run."
+  exit 2
+fi
+echo "python modules: all of $REQUIRED_MODULES load"
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "No python with a CUDA-enabled torch that sees a GPU (set PYTHON=...). Nothing checked."
   exit 2
 fi

@@ -69,3 +69,51 @@ def test_gpu_check_without_a_gpu_checks_nothing_and_says_so(tmp_path):
     proc = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Nothing checked" in proc.stdout
+
+
+def write_probe_wheel(directory: Path) -> Path:
+    """A minimal pure-Python wheel (the format pip installs), standing in for a carried one."""
+    import zipfile
+    files = {
+        "kvs_probe/__init__.py": "CARRIED = True\n",
+        "kvs_probe-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: kvs_probe\nVersion: 0.1\n",
+        "kvs_probe-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: kvsentry-tests\nRoot-Is-Purelib: true\n"
+                                         "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "kvs_probe-0.1.dist-info/RECORD,,\n"
+    path = directory / "kvs_probe-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, text in {**files, "kvs_probe-0.1.dist-info/RECORD": record}.items():
+            wheel.writestr(name, text)
+    return path
+
+
+@no_cuda
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_installs_carried_wheels_into_a_private_site(tmp_path):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    write_probe_wheel(wheels)
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "KVSENTRY_WHEELS": str(wheels), "KVSENTRY_WHEEL_SITE": str(site)}
+    proc = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"carried wheels installed into {site}: kvs_probe-0.1-py3-none-any.whl" in proc.stdout
+    assert (site / "kvs_probe" / "__init__.py").is_file()
+    assert "python modules: all of" in proc.stdout and "Nothing checked" in proc.stdout
+
+
+@no_cuda
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_names_a_missing_module_before_building(tmp_path):
+    # A package on PYTHONPATH whose import fails stands in for one the GPU machine lacks.
+    shadow = tmp_path / "shadow" / "msgspec"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not on this machine')\n")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "KVSENTRY_WHEELS": str(tmp_path / "no-wheels"), "PYTHONPATH": str(tmp_path / "shadow")}
+    proc = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "missing python modules: msgspec. Nothing checked." in proc.stdout
+    assert "scripts/gpu_wheels.sh msgspec" in proc.stdout
+    assert not (tmp_path / "out" / "build.log").exists()
