@@ -11,8 +11,10 @@
 //     there would corrupt unrelated memory.
 //   * same dtype in and out: a bitwise copy.
 //   * float8_e4m3fn cache: value -> float32 -> (/ scale, IEEE division, when
-//     a scale is given) -> e4m3fn with torch's rounding: nearest-even,
-//     saturating to +-448 for finite overflow and inf, NaN stays NaN.
+//     a scale is given) -> e4m3fn, rounded to nearest even, saturating to
+//     +-448 for finite overflow and inf (as vLLM's __NV_SATFINITE: an
+//     overflow must not put a NaN in the cache), NaN stays NaN. The reference
+//     clamps before torch's .to(), whose overflow changed between versions.
 //   * a write whose slot is in block 0 (the null block) adds 1 to the
 //     int64 counter, when one is given.
 #ifndef KVSENTRY_CACHE_KERNELS_CUH_
@@ -88,8 +90,8 @@ KVS_HD uint32_t half_to_float_bits(uint16_t h) {
   return sign | ((exponent + 112u) << 23) | (mantissa << 13);  // rebias 15 -> 127
 }
 
-// binary32 bits -> float8_e4m3fn (bias 7, no inf, 0x7F = NaN), the rounding
-// torch uses for tensor.to(torch.float8_e4m3fn).
+// binary32 bits -> float8_e4m3fn (bias 7, no inf, 0x7F = NaN): torch's
+// nearest-even rounding below 448, saturation above.
 KVS_HD uint8_t float_bits_to_e4m3fn(uint32_t bits) {
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   const uint32_t mag = bits & 0x7FFFFFFFu;

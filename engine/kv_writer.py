@@ -18,15 +18,24 @@ def _null_block_hits(slot_mapping: torch.Tensor, block_size: int) -> torch.Tenso
     return (slot_mapping >= 0) & (slot_mapping // block_size == NULL_BLOCK_ID)
 
 
+# float8_e4m3fn has no inf: the largest finite value, where overflow and +-inf saturate.
+FP8_E4M3FN_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+
+
 def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | float | None) -> torch.Tensor:
+    if cache_dtype != torch.float8_e4m3fn:
+        if scale is not None:
+            raise ValueError(f"scale applies to a float8_e4m3fn cache only, got a {cache_dtype} cache")
+        return x.to(cache_dtype)
     # fp8 caches may carry a per-tensor scale: stored = x / scale, divided in float32
     # (a tensor divisor, so CUDA divides too instead of multiplying by a reciprocal).
-    if scale is None:
-        return x.to(cache_dtype)
-    if cache_dtype != torch.float8_e4m3fn:
-        raise ValueError(f"scale applies to a float8_e4m3fn cache only, got a {cache_dtype} cache")
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(1)
-    return (x.to(torch.float32) / scale).to(cache_dtype)
+    # Then saturate, as vLLM's cache kernels do (__NV_SATFINITE): an overflowing K/V
+    # must not become a NaN in the cache. torch's own .to() is no help here: 2.13
+    # saturates, but 2.11 turns every |x| >= 464 and +-inf into NaN. clamp keeps NaN.
+    x = x.to(torch.float32)
+    if scale is not None:
+        x = x / torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(1)
+    return x.clamp(-FP8_E4M3FN_MAX, FP8_E4M3FN_MAX).to(cache_dtype)
 
 
 def _scatter_rows(cache: torch.Tensor,  # [num_blocks, block_size, ...], any strides
