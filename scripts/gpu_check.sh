@@ -26,6 +26,8 @@ say() { printf '\n=== %s (t+%ss)\n' "$*" "$(( $(date +%s) - T0 ))"; }
 
 # A python whose torch sees a GPU: $PYTHON, the repo's venv, then what is on PATH. Without one,
 # the first that has torch at all (so the module check below still reports), else nothing.
+sees_gpu() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+
 pick_python() {
   local candidate fallback=""
   for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
@@ -33,7 +35,7 @@ pick_python() {
     command -v "$candidate" >/dev/null 2>&1 || continue
     "$candidate" -c 'import torch' 2>/dev/null || continue
     [ -n "$fallback" ] || fallback=$candidate
-    if "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    if sees_gpu "$candidate"; then
       echo "$candidate"
       return 0
     fi
@@ -41,8 +43,8 @@ pick_python() {
   [ -n "$fallback" ] && echo "$fallback"
 }
 
-# What the build, tests/gpu and the benchmark import (engine/ and tests/ alike).
-REQUIRED_MODULES="torch msgspec safetensors tokenizers numpy jinja2 pytest ninja"
+# What the build, tests/gpu and the benchmark import besides torch (engine/ and tests/ alike).
+REQUIRED_MODULES="msgspec safetensors tokenizers numpy jinja2 pytest ninja"
 
 # run_step NAME TIMEOUT_S LOG -- command...: records PASS/FAIL/TIMEOUT and the time taken.
 run_step() {
@@ -103,7 +105,7 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 echo "python modules: all of $REQUIRED_MODULES load"
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if ! sees_gpu "$PY"; then
   echo "No python with a CUDA-enabled torch that sees a GPU (set PYTHON=...). Nothing checked."
   exit 2
 fi

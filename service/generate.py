@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.messages import EngineRequest
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
+from service import responses
 from service.errors import APIError, bad_request, error_body, from_value_error
 from service.logs import log_event
 from service.protocol import SamplingFields, UsageInfo
@@ -307,8 +308,7 @@ async def complete(request, generation: Generation) -> bool:
 def start_generation(state: AppState, request, prefix: str, route: str, prompts: list[PromptInput],
                      params) -> Generation:
     """Submit a validated request under a fresh id ("cmpl-…", "chatcmpl-…"), honouring X-Request-Id."""
-    from service.responses import client_request_id
-    client_id = client_request_id(request)
+    client_id = responses.client_request_id(request)
     generation = Generation(state, new_request_id(prefix, client_id), route, prompts, params, client_id,
                             request.scope.get("state"))
     generation.submit()

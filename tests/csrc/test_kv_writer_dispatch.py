@@ -81,7 +81,7 @@ def test_reference_fp8_cache_with_and_without_scale(dtype):
         k_cache = torch.zeros(4, 4, 2, 8, dtype=FP8)
         v_cache = torch.zeros_like(k_cache)
         write_kv_reference(key, value, k_cache, v_cache, slots, None, scale)
-        x = key[valid].float() if scale is None else key[valid].float() / torch.tensor([float(scale)])
+        x = key[valid].float() / (1.0 if scale is None else torch.tensor([float(scale)]))
         stored = k_cache.view(16, 2, 8)[slots[valid]]
         assert torch.equal(raw(stored), raw(x.clamp(-448, 448).to(FP8)))
         # Overflow and +-inf saturate to +-448 (whatever torch's .to() does: 2.11 made NaN of
