@@ -20,7 +20,7 @@ def bench_checkpoint(path: str | None) -> str:
     """`path`, or a fresh bench-llama preset (hidden 256, 4 layers, vocab 32000) written for the run."""
     if path is not None:
         return path
-    from engine.demo_checkpoint import write_preset
+    from service.demo.checkpoint import write_preset
     path = tempfile.mkdtemp(prefix="bench-llama-")
     write_preset(path, "bench-llama")
     return path

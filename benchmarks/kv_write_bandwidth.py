@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kv_writer import write_kv_reference, write_mla_reference  # noqa: E402
+from engine.ops.kv_writer import write_kv_reference, write_mla_reference  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         device = "CPU: torch reference only, no kernel measured"
         print_table(rows, device)
     else:
-        from engine import cuda_ops
+        from engine.ops import cuda_ops
         if not cuda_ops.available():
             print("CUDA is present but the kvsentry CUDA ops did not build (see the warning above).")
             return 1

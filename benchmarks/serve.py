@@ -8,7 +8,7 @@ for every server) at each concurrency level, for a fixed and a mixed prompt-leng
     # start kvsentry, then vLLM (/work/shared/peers/vllm-cpu.sh), on the same checkpoint; print the ratios
     .venv/bin/python benchmarks/serve.py --start-kvsentry bench-llama --start-vllm bench-llama
 
-MODEL for --start-* is a checkpoint directory or a preset name of engine.demo_checkpoint
+MODEL for --start-* is a checkpoint directory or a preset name of service.demo.checkpoint
 (written once into the kvsentry cache dir). ITL is each request's mean time between tokens
 after the first, (t_last - t_first) / (tokens - 1); TTFT is the time to the first streamed token.
 """

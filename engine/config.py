@@ -15,9 +15,6 @@ from typing import Any
 
 import torch
 
-PAD_SLOT_ID = -1
-NULL_BLOCK_ID = 0
-
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")

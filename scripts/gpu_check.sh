@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of csrc/, prepared for one run on a lent GPU (an H200: about 3-5 minutes):
-#   1. JIT-build the CUDA ops (engine/cuda_ops.py) into a fresh extension directory
+#   1. JIT-build the CUDA ops (engine/ops/cuda_ops.py) into a fresh extension directory
 #   2. pytest -m gpu tests/gpu  (kernels vs the torch reference bit for bit, graphs, compile,
 #      and the whole engine on CUDA vs CPU, tiny Llama and tiny DeepSeek-V3)
 #   3. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
@@ -128,7 +128,7 @@ echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS KVSENTRY_EXT
 run_step build 300 build.log -- "$PY" - <<'EOF'
 import time, torch
 t = time.time()
-from engine import cuda_ops
+from engine.ops import cuda_ops
 path = cuda_ops.build(with_cuda=True, verbose=True)
 assert torch.ops.kvsentry.built_with_cuda(), "the loaded library is the CPU-only build"
 assert cuda_ops.available()

@@ -5,6 +5,8 @@ import argparse
 import os
 import sys
 
+from engine import envs
+
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # also ServeSettings' default; kept here so --help imports nothing heavy
 
 
@@ -35,7 +37,7 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--served-model-name", nargs="+", default=None,
                       help="name(s) clients use in the `model` field; the first is reported in responses "
                            "(default: MODEL_DIR as given, or the demo preset name)")
-    http.add_argument("--api-key", default=os.environ.get("KVSENTRY_API_KEY"),
+    http.add_argument("--api-key", default=envs.api_key(),
                       help="require 'Authorization: Bearer KEY' on the API routes (/health, /ready, "
                            "/metrics and /version stay open); default: $KVSENTRY_API_KEY")
     http.add_argument("--max-queued-requests", type=int, default=512,
@@ -151,7 +153,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.headless:
         from service.server import run_headless
         return run_headless(config)
-    from engine.async_client import AsyncEngineClient
+    from engine.dp.async_client import AsyncEngineClient
     from service.server import run
 
     settings = ServeSettings(

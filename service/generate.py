@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.messages import EngineRequest
-from engine.output_processor import RequestState
+from engine.frontend.output_processor import RequestState
 from engine.sampling_params import SamplingParams
 from service import responses
 from service.errors import APIError, bad_request, error_body, from_value_error

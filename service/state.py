@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.messages import EngineCoreOutput, EngineRequest, Fault, StepStats
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 from service.errors import APIError
 from service.logprobs import TokenFormatter
 from service.logs import log_event
@@ -24,7 +24,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 class EngineClient(Protocol):
-    """The surface of engine.async_client.AsyncEngineClient the service uses."""
+    """The surface of engine.dp.async_client.AsyncEngineClient the service uses."""
     ready: bool
     dead_reason: str | None
     last_progress: float

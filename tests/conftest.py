@@ -21,14 +21,14 @@ TEST_INIT_SCALE = 0.3
 def pytest_sessionstart(session):
     """Build (or load) csrc/'s CPU kernels once, before any test: otherwise the first
     server or rank subprocess pays the ~15-40 s compile inside its readiness timeout."""
-    from engine import cpu_ops
+    from engine.ops import cpu_ops
     cpu_ops.available()
 
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint("tiny-llama", **overrides) -> path of a cached tiny checkpoint."""
-    from engine.demo_checkpoint import write_preset
+    from service.demo.checkpoint import write_preset
     made: dict[tuple, str] = {}
 
     def make(preset: str, **overrides) -> str:

@@ -5,7 +5,7 @@ keys and values are re-derived from kv_c with kv_b_proj when attention reads it.
 Prefill up-projects the latents (as transformers does); decode folds kv_b_proj
 into the query and output instead ("absorbed"), so it never expands the cache.
 Both read latents through the block tables and mask after reading, exactly as
-engine.attention.paged_attention does, so a NaN in the null block propagates.
+engine.ops.attention.paged_attention does, so a NaN in the null block propagates.
 """
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import cpu_ops
-from engine.attention import AttentionMetadata, _attend, gather_kv
+from engine.ops import cpu_ops
+from engine.ops.attention import AttentionMetadata, attend, gather_kv
 from engine.config import EngineConfig
-from engine.kv_writer import write_mla
+from engine.ops.kv_writer import write_mla
 from engine.models.expert_parallel import ExpertParallel
-from engine.models.layers import Linear, RMSNorm, SiluMLP, StepContext, inverse_frequencies, rope_parameters, rotate_half
+from engine.models.layers import Linear, RMSNorm, SiluMLP, StepContext
+from engine.models.rotary import inverse_frequencies, rope_parameters, rotate_half, yarn_get_mscale
 from engine.models.moe import (DeepseekV2Router, DeepseekV3Router, KeepsFloat32, MoECausalLM,
                                SharedExpertsMoeBlock, StackedExperts)
 
@@ -37,41 +38,6 @@ _DEFAULTS = {
 def _hf(config: EngineConfig, key: str) -> Any:
     hf = config.model.hf_config
     return hf[key] if key in hf else _DEFAULTS[config.model.architecture].get(key)
-
-
-def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inverse_frequencies(dim: int, params: dict[str, Any], max_position_embeddings: int,
-                             ) -> tuple[torch.Tensor, float]:
-    """transformers' `_compute_yarn_parameters`: [dim // 2] inverse frequencies, cos/sin scale."""
-    base = float(params["rope_theta"])
-    original = params.get("original_max_position_embeddings") or max_position_embeddings
-    factor = params.get("factor") or max_position_embeddings / original
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
-        else:
-            attention_factor = yarn_get_mscale(factor)
-    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, attention_factor
 
 
 def mla_softmax_scale(hf: dict[str, Any], qk_head_dim: int) -> float:
@@ -94,10 +60,7 @@ class DeepseekRotary(KeepsFloat32):
     def __init__(self, dim: int, max_positions: int, hf: dict[str, Any], style: str):
         super().__init__()
         params = rope_parameters(hf)
-        if params["rope_type"] == "yarn":
-            inv_freq, scaling = yarn_inverse_frequencies(dim, params, hf.get("max_position_embeddings", 2048))
-        else:
-            inv_freq, scaling = inverse_frequencies(dim, params)
+        inv_freq, scaling = inverse_frequencies(dim, params, hf.get("max_position_embeddings", 2048))
         self.style = style
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, dim // 2]
         if style == "complex":
@@ -198,7 +161,7 @@ class MLAAttention(nn.Module):
             q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
             k_pos = torch.arange(length, device=query.device)
             allowed = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, length)
-            attn = _attend(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+            attn = attend(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
                            value.transpose(0, 1)[None], allowed, self.scale)     # [1, H, n, v]
             out[q_start:q_end] = attn[0].transpose(0, 1)
 
@@ -228,7 +191,7 @@ class MLAAttention(nn.Module):
         positions = torch.arange(latent.shape[1], device=latent.device)
         allowed = (positions[None, :] < meta.seq_lens[:num_reqs, None]).view(num_reqs, 1, 1, -1)
         # Heads take the place of query positions: one shared latent "head" serves them all.
-        out_latent = _attend(query[:, None], latent[:, None], latent[:, None, :, :self.kv_lora_rank],
+        out_latent = attend(query[:, None], latent[:, None], latent[:, None, :, :self.kv_lora_rank],
                              allowed, self.scale)[:, 0]                            # [B, H, R]
         out[:num_reqs] = torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
         return out

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import paged_attention
+from engine.ops.attention import paged_attention
 from engine.config import EngineConfig
-from engine.kv_writer import write_kv
+from engine.ops.kv_writer import write_kv
 from engine.models.cpu_gemm import PackedLinear, fused_linear
-from engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, SiluMLP, StepContext, pack_linears,
-                                  rope_parameters)
+from engine.models.layers import Linear, RMSNorm, SiluMLP, StepContext, pack_linears
+from engine.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class Attention(nn.Module):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import PAD_SLOT_ID
-from engine.kv_writer import write_kv_reference, write_mla_reference
+from engine.paging import PAD_SLOT_ID
+from engine.ops.kv_writer import write_kv_reference, write_mla_reference
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -27,7 +27,7 @@ def skip_or_fail(reason: str) -> None:
 @pytest.fixture(scope="session")
 def kvsentry_ops(tmp_path_factory):
     """torch.ops.kvsentry, built once per session into a fresh temporary directory."""
-    from engine import cuda_ops
+    from engine.ops import cuda_ops
     with_cuda = torch.cuda.is_available()
     missing = [tool for tool in ("ninja", "c++") if shutil.which(tool) is None]
     if missing:

@@ -1,13 +1,14 @@
 """csrc/cpu_attention.cpp (torch.ops.kvsentry.paged_decode_attention) against its torch
-reference (engine.attention.decode_attention_reference): values, NaN propagation from the
+reference (engine.ops.attention.decode_attention_reference): values, NaN propagation from the
 null block, layouts, dtypes and the op's checks. Needs the ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import attention, cpu_ops
-from engine.attention import (PAD_SLACK_BLOCKS, AttentionMetadata, DecodePlan, decode_attention_reference,
+from engine.ops import attention
+from engine.ops import cpu_ops
+from engine.ops.attention import (PAD_SLACK_BLOCKS, AttentionMetadata, DecodePlan, decode_attention_reference,
                               paged_attention, plan_decode_reads)
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from engine.config import PAD_SLOT_ID
-from engine.kv_writer import write_mla_reference
+from engine.paging import PAD_SLOT_ID
+from engine.ops.kv_writer import write_mla_reference
 
 from tests.csrc.cases import DTYPE_IDS, DTYPES, FP8, check_kv_write, check_mla_write, kv_case, mla_case, raw
 

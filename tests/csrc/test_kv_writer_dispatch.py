@@ -1,12 +1,13 @@
-"""engine.kv_writer: the torch reference's contract and the one dispatch function (no build needed)."""
+"""engine.ops.kv_writer: the torch reference's contract and the one dispatch function (no build needed)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import cuda_ops, kv_writer
-from engine.config import PAD_SLOT_ID
-from engine.kv_writer import write_kv, write_kv_reference, write_mla, write_mla_reference
+from engine.ops import cuda_ops
+from engine.ops import kv_writer
+from engine.paging import PAD_SLOT_ID
+from engine.ops.kv_writer import write_kv, write_kv_reference, write_mla, write_mla_reference
 
 FP8 = torch.float8_e4m3fn
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from engine import cuda_ops
+from engine.ops import cuda_ops
 from tests.csrc.conftest import skip_or_fail
 
 pytestmark = pytest.mark.nvcc
@@ -32,7 +32,7 @@ EXPECTED_KERNELS = 2 * (5 + 6)
 
 def nvcc_command(out_dir: Path, gencode: list[str]) -> list[str]:
     """The exact command CI runs (printed on failure): the flags torch's JIT build gives nvcc
-    (engine/cuda_ops.py's NVCC_FLAGS, torch's defines, includes and -std) plus -Werror."""
+    (engine/ops/cuda_ops.py's NVCC_FLAGS, torch's defines, includes and -std) plus -Werror."""
     return [NVCC, *cuda_ops.NVCC_FLAGS, *cpp_extension.COMMON_NVCC_FLAGS, "-std=c++20",
             "-DTORCH_EXTENSION_NAME=kvsentry_ops_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
             "-Werror", "all-warnings", "--compiler-options", "-fPIC", f"-I{CSRC}",

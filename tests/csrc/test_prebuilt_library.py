@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from engine import cuda_ops
+from engine.ops import cuda_ops
 
 SCRIPT = """
 import torch
-from engine import cpu_ops, cuda_ops
+from engine.ops import cpu_ops
+from engine.ops import cuda_ops
 assert cpu_ops.available(), "prebuilt library not loaded"
 print("loaded", cuda_ops._loaded[1])
 out = torch.empty(1, 2, 4)
@@ -32,7 +33,7 @@ def test_runtime_loads_the_prebuilt_library(kvsentry_ops, tmp_path):
     env = {**os.environ, "KVSENTRY_EXTENSION_DIR": str(tmp_path), "KVSENTRY_CSRC_DIR": str(tmp_path / "absent"),
            "KVSENTRY_REQUIRE_CPU_OPS": "1", "PYTHONPATH": os.getcwd()}
     env.pop("KVSENTRY_DISABLE_CPU_OPS", None)
-    probe = subprocess.run([sys.executable, "-c", "from engine import cuda_ops; "
+    probe = subprocess.run([sys.executable, "-c", "from engine.ops import cuda_ops; "
                             "print(cuda_ops.default_build_directory(False))"],
                            env=env, capture_output=True, text=True, check=True)
     target = tmp_path / os.path.basename(probe.stdout.strip())
@@ -48,7 +49,7 @@ def test_runtime_loads_the_prebuilt_library(kvsentry_ops, tmp_path):
 def test_missing_sources_and_library_is_a_clear_error(tmp_path):
     env = {**os.environ, "KVSENTRY_EXTENSION_DIR": str(tmp_path), "KVSENTRY_CSRC_DIR": str(tmp_path / "absent"),
            "KVSENTRY_REQUIRE_CPU_OPS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-c", "from engine import cpu_ops; cpu_ops.available()"],
+    run = subprocess.run([sys.executable, "-c", "from engine.ops import cpu_ops; cpu_ops.available()"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "no sources at" in run.stderr and "no prebuilt library at" in run.stderr

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import PAD_SLOT_ID, EngineConfig
-from engine.kv_cache import allocate_kv_cache
-from engine.loader import load_model
+from engine.ops.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.paging import PAD_SLOT_ID
+from engine.worker.kv_cache import allocate_kv_cache
+from engine.worker.loader import load_model
 from engine.models.layers import StepContext
 
 

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool, hash_block
-from engine.config import NULL_BLOCK_ID
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.core.block_pool import BlockPool, hash_block
+from engine.paging import NULL_BLOCK_ID
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 BS = 4  # block size used throughout

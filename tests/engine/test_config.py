@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype, parse_memory
-from engine.demo_checkpoint import write_preset
-from engine.llm import LLM
+from service.demo.checkpoint import write_preset
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """The CPU fast paths against their plain torch references: the oneDNN-packed linear
-(engine/models/cpu_gemm.py) and the blocked row argmax (engine/sampler.py)."""
+(engine/models/cpu_gemm.py) and the blocked row argmax (engine/worker/sampler.py)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.models.cpu_gemm import PackedLinear, fused_linear
 from engine.models.layers import Linear
-from engine.sampler import row_argmax
+from engine.worker.sampler import row_argmax
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 7, 32, 300])

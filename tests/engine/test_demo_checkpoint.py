@@ -1,4 +1,4 @@
-"""Tests for engine/demo_checkpoint.py: checkpoints that transformers 5 loads exactly as written."""
+"""Tests for service/demo/checkpoint.py: checkpoints that transformers 5 loads exactly as written."""
 from __future__ import annotations
 
 import hashlib
@@ -19,16 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from engine.demo_checkpoint import (
-    ARCHITECTURES,
-    BOS_TOKEN,
-    DEMO_PRESETS,
-    EOS_TOKEN,
-    SPECIAL_TOKENS,
-    build_tokenizer_json,
-    write_demo_checkpoint,
-    write_preset,
-)
+from service.demo.checkpoint import DEMO_PRESETS, write_demo_checkpoint, write_preset
+from service.demo.configs import ARCHITECTURES
+from service.demo.tokenizer import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, build_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -136,7 +129,8 @@ def test_architecture_loads_in_transformers_exactly(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_default_shapes_are_tiny_and_non_trivial(arch):
-    from engine.demo_checkpoint import build_config, build_state_dict
+    from service.demo.configs import build_config
+    from service.demo.weights import build_state_dict
     cfg = build_config(arch)
     assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == 512
     assert cfg["max_position_embeddings"] == 2048 and cfg["rms_norm_eps"] == 1e-6
@@ -313,7 +307,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 def test_bytes_identical_across_processes(tmp_path):
     here = write_demo_checkpoint(tmp_path / "here", "Qwen2MoeForCausalLM", seed=11, vocab_size=700)
-    code = ("import sys; from engine.demo_checkpoint import write_demo_checkpoint; "
+    code = ("import sys; from service.demo.checkpoint import write_demo_checkpoint; "
             "write_demo_checkpoint(sys.argv[1], 'Qwen2MoeForCausalLM', seed=11, vocab_size=700)")
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, env=env,

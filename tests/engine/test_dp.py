@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from engine.dp_client import EngineDeadError
+from engine.dp.client import EngineDeadError
 from engine.sampling_params import SamplingParams
 from tests.engine.dp_helpers import (DIGEST_ENV, GREEDY16, MIXED_LENGTHS, Collected, cpu_seconds, drain,
                                      env, free_port_block, hf_greedy, make_prompts, request, wait_stats)
@@ -123,8 +123,8 @@ def lockstep_done(before, busy: int, spare: int):
 def test_idle_rank_cache_bitwise_unchanged_by_dummy_batches(dp_llm):
     """>= 100 dummy batches on rank 1 while rank 0 decodes leave every byte of rank 1's cache as
     it was (on a fresh group: all zeros, so block 0 included)."""
-    from engine.engine_core import cache_digest
-    from engine.kv_cache import allocate_kv_cache
+    from engine.core.engine_core import cache_digest
+    from engine.worker.kv_cache import allocate_kv_cache
     llm = dp_llm("tiny-deepseek-v3")
     engine = llm.engine
     wait_stats(engine, idle, what="both ranks idle")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.demo_checkpoint import write_demo_checkpoint
-from engine.loader import load_model
+from service.demo.checkpoint import write_demo_checkpoint
+from engine.worker.loader import load_model
 from engine.models.expert_parallel import ExpertParallel
 from tests.engine.forward_harness import PagedRunner, engine_config, random_tokens
 

@@ -8,9 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import engine.models.llama as llama_module
-from engine.config import PAD_SLOT_ID, EngineConfig
-from engine.engine_core import EngineCore
-from engine.kv_cache import layer_tensors
+from engine.config import EngineConfig
+from engine.paging import PAD_SLOT_ID
+from engine.core.engine_core import EngineCore
+from engine.worker.kv_cache import layer_tensors
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
 

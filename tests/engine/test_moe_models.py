@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.demo_checkpoint import write_demo_checkpoint
-from engine.loader import load_model
+from service.demo.checkpoint import write_demo_checkpoint
+from engine.worker.loader import load_model
 from engine.models.deepseek import MLAAttention
 from engine.models.moe import DeepseekV2Router, DeepseekV3Router, StackedExperts
 from tests.engine.forward_harness import PagedRunner, engine_config, hf_logits, random_tokens

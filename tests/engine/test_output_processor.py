@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.demo_checkpoint import EOS_ID, build_tokenizer_json
+from service.demo.tokenizer import EOS_ID, build_tokenizer_json
 from engine.messages import EngineCoreOutput
-from engine.output_processor import IncrementalDetokenizer, RequestState
+from engine.frontend.output_processor import IncrementalDetokenizer, RequestState
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 HYPO = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -15,9 +15,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.demo_checkpoint import EOS_ID
-from engine.engine_core import EngineCore
-from engine.llm import LLM
+from service.demo.tokenizer import EOS_ID
+from engine.core.engine_core import EngineCore
+from engine.frontend.llm import LLM
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams as SP
 

@@ -7,13 +7,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from engine.config import NULL_BLOCK_ID, EngineConfig
-from engine.engine_core import EngineCore
-from engine.llm import LLM
+from engine.config import EngineConfig
+from engine.paging import NULL_BLOCK_ID
+from engine.core.engine_core import EngineCore
+from engine.frontend.llm import LLM
 from engine.messages import EngineRequest
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 
 BS = 4
 

@@ -29,8 +29,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def cuda_kernels():
-    """engine.cuda_ops with the kernels built and loaded (a failed build fails, never falls back)."""
-    from engine import cuda_ops
+    """engine.ops.cuda_ops with the kernels built and loaded (a failed build fails, never falls back)."""
+    from engine.ops import cuda_ops
     os.environ["KVSENTRY_REQUIRE_CUDA_OPS"] = "1"
     assert cuda_ops.available(), "torch.cuda is available but the kvsentry CUDA ops are not"
     assert torch.ops.kvsentry.built_with_cuda()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kv_writer
-from engine.config import PAD_SLOT_ID
+from engine.ops import kv_writer
+from engine.paging import PAD_SLOT_ID
 from tests.csrc.cases import (DTYPE_IDS, DTYPES, FP8, check_kv_write, check_mla_write, kv_case, mla_case,
                               raw)
 

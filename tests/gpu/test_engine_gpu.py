@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kv_writer
+from engine.ops import kv_writer
 
 pytestmark = pytest.mark.gpu
 

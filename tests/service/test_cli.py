@@ -45,7 +45,7 @@ def captured(monkeypatch, tmp_path):
     monkeypatch.setattr(server, "run", lambda config, client, settings, host, port: calls.update(
         config=config, settings=settings, host=host, port=port) or 0)
     monkeypatch.setattr(server, "run_headless", lambda config: calls.update(headless=config) or 0)
-    monkeypatch.setattr("engine.async_client.AsyncEngineClient.__init__", lambda self, config, **kw: None)
+    monkeypatch.setattr("engine.dp.async_client.AsyncEngineClient.__init__", lambda self, config, **kw: None)
     return calls
 
 

@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from engine.async_client import AsyncEngineClient
+from engine.dp.async_client import AsyncEngineClient
 from engine.config import EngineConfig
 from service.app import build_app
 from service.state import AppState, ServeSettings

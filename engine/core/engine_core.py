@@ -1,7 +1,7 @@
 """One rank's engine: scheduler + model runner, stepped by `step()`.
 
 Works on token ids only; detokenization and stop strings live in the front end
-(engine/output_processor.py), which aborts a request when it sees a stop string.
+(engine/frontend/output_processor.py), which aborts a request when it sees a stop string.
 """
 from __future__ import annotations
 
@@ -11,20 +11,22 @@ import time
 
 import torch
 
+from engine import envs
 from engine.config import EngineConfig
+from engine.paging import NULL_BLOCK_ID
 from engine.messages import EngineCoreOutput, EngineRequest, StepStats
-from engine.model_runner import ModelRunner, RunnerOutput
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sentinel import NaNSentinel
+from engine.worker.model_runner import ModelRunner, RunnerOutput
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.worker.sentinel import NaNSentinel
 
 
-_DIGEST = os.environ.get("KVSENTRY_TEST_CACHE_DIGEST") == "1"
+_DIGEST = envs.test_cache_digest()
 
 
 def cache_digest(kv_caches) -> str:
     """Hash of every byte of the cache (tests: proves a rank's cache is bitwise unchanged)."""
-    from engine.kv_cache import layer_tensors
+    from engine.worker.kv_cache import layer_tensors
     digest = hashlib.blake2b(digest_size=16)
     for entry in kv_caches:
         for t in layer_tensors(entry):
@@ -33,7 +35,7 @@ def cache_digest(kv_caches) -> str:
 
 
 def null_block_nonzero(kv_caches) -> int:
-    from engine.kv_cache import layer_tensors
+    from engine.worker.kv_cache import layer_tensors
     return sum(int(t[0].contiguous().view(torch.uint8).count_nonzero())
                for entry in kv_caches for t in layer_tensors(entry))
 
@@ -93,7 +95,7 @@ class EngineCore:
         return outputs
 
     def inject_fault(self, fault) -> None:
-        from engine.faults import inject
+        from engine.worker.faults import inject
         inject(self.runner, fault)
 
     @property
@@ -143,7 +145,7 @@ class EngineCore:
         if policy != "heal":
             return
         if self.sentinel.null_block_poisoned:
-            self.sentinel.zero_block(0)
+            self.sentinel.zero_block(NULL_BLOCK_ID)
             self.heals += 1
         for block in self.sentinel.poisoned_blocks():
             self._heal_block(block)

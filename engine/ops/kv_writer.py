@@ -3,19 +3,14 @@
 Both ops skip `slot < 0` (PAD_SLOT_ID), so padded and dummy tokens write
 nothing, and both count the writes whose slot falls in the null block (block
 0), which must stay zero for the engine's whole life. On CUDA they dispatch to
-the kernels in csrc/ (engine/cuda_ops.py); everywhere else to the torch
+the kernels in csrc/ (engine/ops/cuda_ops.py); everywhere else to the torch
 references below, which define the semantics the kernels must match bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.config import NULL_BLOCK_ID
-
-
-def _null_block_hits(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
-    # [num_tokens] bool: real slots inside block 0
-    return (slot_mapping >= 0) & (slot_mapping // block_size == NULL_BLOCK_ID)
+from engine.paging import block_of_slot, null_block_hits, offset_in_block
 
 
 # float8_e4m3fn has no inf: the largest finite value, where overflow and +-inf saturate.
@@ -47,8 +42,8 @@ def _scatter_rows(cache: torch.Tensor,  # [num_blocks, block_size, ...], any str
     block_size = cache.shape[1]
     if cache.is_contiguous():
         cache.view(cache.shape[0] * block_size, *cache.shape[2:]).index_copy_(0, slots, rows)
-    else:  # e.g. the head-major CPU layout (engine/kv_cache.py): index by (block, offset)
-        cache[slots // block_size, slots % block_size] = rows
+    else:  # e.g. the head-major CPU layout (engine/worker/kv_cache.py): index by (block, offset)
+        cache[block_of_slot(slots, block_size), offset_in_block(slots, block_size)] = rows
 
 
 def write_kv_reference(key: torch.Tensor,          # [num_tokens, num_kv_heads, head_size]
@@ -66,7 +61,7 @@ def write_kv_reference(key: torch.Tensor,          # [num_tokens, num_kv_heads, 
     _scatter_rows(k_cache, slots, _to_cache_dtype(key[:num_tokens][valid], k_cache.dtype, scale))
     _scatter_rows(v_cache, slots, _to_cache_dtype(value[:num_tokens][valid], v_cache.dtype, scale))
     if null_block_writes is not None:
-        null_block_writes += _null_block_hits(slot_mapping, block_size).sum()
+        null_block_writes += null_block_hits(slot_mapping, block_size).sum()
 
 
 def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank]
@@ -82,14 +77,14 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
     latent = torch.cat([kv_c[valid], k_pe[valid]], dim=-1)  # compressed kv first, then rope
     _scatter_rows(kv_cache, slots, _to_cache_dtype(latent, kv_cache.dtype, scale))
     if null_block_writes is not None:
-        null_block_writes += _null_block_hits(slot_mapping, block_size).sum()
+        null_block_writes += null_block_hits(slot_mapping, block_size).sum()
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
              scale: torch.Tensor | None = None) -> None:
     if k_cache.is_cuda:
-        from engine import cuda_ops
+        from engine.ops import cuda_ops
         if cuda_ops.available():
             cuda_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
             return
@@ -100,7 +95,7 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
               scale: torch.Tensor | None = None) -> None:
     if kv_cache.is_cuda:
-        from engine import cuda_ops
+        from engine.ops import cuda_ops
         if cuda_ops.available():
             cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
             return

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import PAD_SLOT_ID, EngineConfig
-from engine.scheduler import SchedulerOutput
+from engine.ops.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.paging import NULL_BLOCK_ID, PAD_SLOT_ID, slots_for_positions
+from engine.core.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -66,10 +67,10 @@ class BatchBuilder:
             self._np_ids[offset:offset + num_new] = request.all_token_ids[start:end]
             self._np_pos[offset:offset + num_new] = positions
             blocks = np.asarray(request.block_ids, dtype=np.int64)
-            self._np_slots[offset:offset + num_new] = blocks[positions // bs] * bs + positions % bs
+            self._np_slots[offset:offset + num_new] = slots_for_positions(blocks, positions, bs)
             table = self._np_tables[row]
             table[:len(blocks)] = blocks
-            table[len(blocks):] = 0
+            table[len(blocks):] = NULL_BLOCK_ID
             offset += num_new
             starts.append(offset)
             seq_lens.append(end)
@@ -78,7 +79,7 @@ class BatchBuilder:
         self._np_ids[num_tokens:] = 0
         self._np_pos[num_tokens:] = 0
         self._np_slots[num_tokens:] = PAD_SLOT_ID
-        self._np_tables[num_reqs:] = 0
+        self._np_tables[num_reqs:] = NULL_BLOCK_ID
         self.seq_lens[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int64)
         self.seq_lens[num_reqs:] = 0
         self.query_start_loc[:num_reqs + 1] = torch.tensor(starts, dtype=torch.int64)
@@ -97,7 +98,7 @@ class BatchBuilder:
             self._np_ids[:] = 0
         self._np_pos[:] = 0
         self._np_slots[:] = PAD_SLOT_ID
-        self._np_tables[:] = 0
+        self._np_tables[:] = NULL_BLOCK_ID
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
         batch = self._batch(0, 0, num_padded, [0], [], [],

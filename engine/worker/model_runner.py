@@ -5,15 +5,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import cpu_ops
-from engine.batch_builder import BatchBuilder, StepBatch
+from engine.ops import cpu_ops
+from engine.worker.batch_builder import BatchBuilder, StepBatch
 from engine.config import EngineConfig
-from engine.kv_cache import allocate_kv_storage, layer_views
-from engine.loader import load_model
+from engine.worker.kv_cache import allocate_kv_storage, layer_views
+from engine.worker.loader import load_model
 from engine.messages import TokenLogprob
 from engine.models.layers import StepContext
-from engine.sampler import Sampler, token_logprobs
-from engine.scheduler import SchedulerOutput
+from engine.worker.sampler import Sampler, token_logprobs
+from engine.core.scheduler import SchedulerOutput
 
 
 @dataclass

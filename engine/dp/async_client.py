@@ -13,9 +13,9 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.dp_client import (ClientState, EngineDeadError, dead_process_reason, killed_process_reason,
+from engine.dp.client import (ClientState, EngineDeadError, dead_process_reason, killed_process_reason,
                               send_now, send_shutdown, spawn_local_ranks, stop_processes)
-from engine.dp_rank import endpoints
+from engine.dp.rank import endpoints
 from engine.messages import EngineRequest, Fault, StepStats
 
 

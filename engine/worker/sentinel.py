@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from engine.config import EngineConfig, NULL_BLOCK_ID
-from engine.kv_cache import block_axis
+from engine.config import EngineConfig
+from engine.paging import FIRST_USABLE_BLOCK_ID, NULL_BLOCK_ID, blocks_written
+from engine.worker.kv_cache import block_axis
 
 
 class NaNSentinel:
@@ -30,7 +31,7 @@ class NaNSentinel:
         self.num_layers = config.model.num_layers
         self.budget = max(1, config.nan_scan_blocks_per_step)
         self.scan_written = config.nan_scan_written_blocks
-        self.cursor = 1
+        self.cursor = FIRST_USABLE_BLOCK_ID
         # Non-finite values per (layer, block) as of the last time the block was scanned.
         self.counts = torch.zeros(self.num_layers, self.num_blocks, dtype=torch.int64)
         self.any_counted = False
@@ -47,7 +48,7 @@ class NaNSentinel:
         if self.mode == "full":
             return 1
         if self.mode == "rolling":
-            return -(-(self.num_blocks - 1) // self.budget)
+            return -(-(self.num_blocks - FIRST_USABLE_BLOCK_ID) // self.budget)
         return 0
 
     def _scan(self, ids: list[int]) -> torch.Tensor | None:
@@ -72,14 +73,14 @@ class NaNSentinel:
         if self.mode == "rolling":
             end = min(self.cursor + self.budget, self.num_blocks)
             window = list(range(self.cursor, end))
-            if self.cursor == NULL_BLOCK_ID + 1:
+            if self.cursor == FIRST_USABLE_BLOCK_ID:
                 groups = [[NULL_BLOCK_ID] + window]
             else:
                 groups.append(window)
-            self.cursor = 1 if end >= self.num_blocks else end
+            self.cursor = FIRST_USABLE_BLOCK_ID if end >= self.num_blocks else end
             if self.scan_written and written_slots is not None and written_slots.numel():
                 seen = {b for g in groups for b in g}
-                written = set(torch.unique(written_slots[written_slots >= 0] // block_size).tolist()) - seen
+                written = set(blocks_written(written_slots, block_size)) - seen
                 if written:
                     groups.append(sorted(written))
         return groups
@@ -124,12 +125,12 @@ class NaNSentinel:
     def poisoned_blocks(self) -> list[int]:
         if not self.any_counted:
             return []
-        return torch.nonzero(self.counts[:, 1:].sum(0)).flatten().add(1).tolist()
+        return torch.nonzero(self.counts[:, FIRST_USABLE_BLOCK_ID:].sum(0)).flatten().add(FIRST_USABLE_BLOCK_ID).tolist()
 
     def values(self) -> list[tuple[int, str, int]]:
         """(layer, region, non-finite values present at the last scan) for the gauge."""
         null = self.counts[:, NULL_BLOCK_ID].tolist()
-        allocated = self.counts[:, 1:].sum(1).tolist()
+        allocated = self.counts[:, FIRST_USABLE_BLOCK_ID:].sum(1).tolist()
         return ([(layer, "null_block", v) for layer, v in enumerate(null)]
                 + [(layer, "allocated", v) for layer, v in enumerate(allocated)])
 

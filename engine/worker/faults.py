@@ -2,7 +2,7 @@
 or make the next dummy batch use the old broken slot mapping, to test alerting end to end."""
 from __future__ import annotations
 
-from engine.kv_cache import layer_tensors
+from engine.worker.kv_cache import layer_tensors
 from engine.messages import Fault
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import zmq
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
                              RankReady, Shutdown, Wake)
 

@@ -1,8 +1,8 @@
 """Per-request block bookkeeping on top of the block pool."""
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, hash_block
-from engine.request import Request
+from engine.core.block_pool import BlockPool, hash_block
+from engine.core.request import Request
 
 
 class KVCacheManager:

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from engine.config import NULL_BLOCK_ID
+from engine.paging import FIRST_USABLE_BLOCK_ID, NULL_BLOCK_ID
 
 
 def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -30,7 +30,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # Free blocks in eviction order (oldest first); cached-but-free blocks stay reusable
         # until they are evicted from the front.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(FIRST_USABLE_BLOCK_ID, num_blocks))
         self.cached: dict[bytes, int] = {}
 
     @property

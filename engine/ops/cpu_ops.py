@@ -1,13 +1,13 @@
 """The CPU kernels of csrc/ (paged attention, one query token per row: decode, and
 prefill as one row per token), JIT-built on first use.
 
-They live in the same library as the CUDA KV writers (engine.cuda_ops builds it:
+They live in the same library as the CUDA KV writers (engine.ops.cuda_ops builds it:
 the CPU-only flavour here, the CUDA one on a machine with a GPU, which carries
 the CPU code too). `available()` builds once per process, reusing the build
 cache across processes; without a compiler or ninja it warns once and the torch
-reference in engine.attention runs instead, with the same results.
+reference in engine.ops.attention runs instead, with the same results.
 
-Environment:
+Environment (engine/envs.py):
   KVSENTRY_DISABLE_CPU_OPS=1   never use the kernels (the torch reference runs)
   KVSENTRY_REQUIRE_CPU_OPS=1   raise when the build fails instead of falling back
 """
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 import torch
 
-from engine import cuda_ops
+from engine import envs
+from engine.ops import cuda_ops
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def _build_ok() -> bool:
         log.info("kvsentry CPU kernels ready in %.1f s", time.monotonic() - started)
         return hasattr(torch.ops.kvsentry, "paged_decode_attention")
     except Exception as exc:  # no compiler, no ninja, a compile error...
-        if os.environ.get("KVSENTRY_REQUIRE_CPU_OPS") == "1":
+        if envs.require_cpu_ops():
             raise
         log.warning("kvsentry CPU attention kernel unavailable, using the torch reference: %s", exc)
         return False
@@ -47,7 +47,7 @@ def _build_ok() -> bool:
 
 def available() -> bool:
     """True when CPU caches can use the kernels (builds them on the first call)."""
-    if os.environ.get("KVSENTRY_DISABLE_CPU_OPS") == "1":
+    if envs.disable_cpu_ops():
         return False
     return _build_ok()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_ops
+from engine.ops import cpu_ops
 
 
 @dataclass
@@ -132,7 +132,7 @@ def gather_kv(cache: torch.Tensor,         # [num_blocks, block_size, *rest]
     return gathered.view(num_reqs, num_read * cache.shape[1], *cache.shape[2:])
 
 
-def _attend(q: torch.Tensor,      # [B, Hq, Lq, D]
+def attend(q: torch.Tensor,      # [B, Hq, Lq, D]
             k: torch.Tensor,      # [B, Hkv, Lk, D]
             v: torch.Tensor,      # [B, Hkv, Lk, Dv]
             allowed: torch.Tensor | None,  # [B, 1, Lq, Lk] bool, None = causal from the start
@@ -239,5 +239,5 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
             q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
             k_pos = torch.arange(k.shape[2], device=query.device)
             allowed = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, -1)
-        out[q_start:q_end] = _attend(q, k, v, allowed, scale)[0].transpose(0, 1)
+        out[q_start:q_end] = attend(q, k, v, allowed, scale)[0].transpose(0, 1)
     return out

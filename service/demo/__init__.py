@@ -13,25 +13,22 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine import envs
+
 DEFAULT_DEMO_PRESET = "tiny-deepseek-v3"
 DEFAULT_DEMO_DP = 2
 # Large enough weights that greedy text is not a uniform draw over the vocabulary.
 DEMO_INIT_SCALE = 0.3
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("KVSENTRY_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "kvsentry"
-
-
 def default_demo_path(preset: str = DEFAULT_DEMO_PRESET, **overrides) -> Path:
     """The checkpoint directory of `preset`, writing it first if it is not there yet."""
-    from engine import demo_checkpoint
+    from service.demo import checkpoint as demo_checkpoint
 
     args = {"init_scale": DEMO_INIT_SCALE, **overrides}
     spec = json.dumps({"preset": demo_checkpoint.DEMO_PRESETS.get(preset), "args": args}, sort_keys=True)
     tag = hashlib.sha256(spec.encode()).hexdigest()[:10]
-    target = cache_dir() / "demo" / f"{preset}-{tag}"
+    target = envs.cache_dir() / "demo" / f"{preset}-{tag}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

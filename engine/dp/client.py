@@ -2,7 +2,7 @@
 
 `ClientState` is the transport-free bookkeeping (which rank holds which
 request, least-loaded routing, the wave counter); `DPEngineClient` drives it
-over blocking zmq for the offline `LLM`, engine/async_client.py over asyncio
+over blocking zmq for the offline `LLM`, engine/dp/async_client.py over asyncio
 for the HTTP service, and `run_headless` starts only local ranks for a worker
 node of a multi-node group.
 """
@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.dp_rank import endpoints, rank_identity, run_rank
+from engine.dp.rank import endpoints, rank_identity, run_rank
 from engine.messages import (Abort, EngineCoreOutput, EngineMessage, EngineOutputs, EngineRequest,
                              Fault, RankFailed, RankReady, Shutdown, StepStats, Wake)
 

@@ -6,12 +6,12 @@ import time
 from typing import Any, Sequence
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.messages import EngineRequest
-from engine.output_processor import RequestState
-from engine.outputs import CompletionOutput, RequestOutput, logprob_dict
+from engine.frontend.output_processor import RequestState
+from engine.frontend.outputs import CompletionOutput, RequestOutput, logprob_dict
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -21,7 +21,7 @@ class LLM:
         self.config = EngineConfig.create(model, **engine_args)
         self.tokenizer = Tokenizer(model)
         if self.config.parallel.data_parallel_size > 1:
-            from engine.dp_client import DPEngineClient
+            from engine.dp.client import DPEngineClient
             self.engine = DPEngineClient(self.config)
         else:
             self.engine = EngineCore(self.config)
@@ -39,7 +39,7 @@ class LLM:
         self.close()
 
     def validate(self, request: EngineRequest) -> None:
-        from engine.engine_core import validate_request
+        from engine.core.engine_core import validate_request
         validate_request(self.config, request)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

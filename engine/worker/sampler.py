@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.messages import TokenLogprob
-from engine.request import Request
+from engine.core.request import Request
 
 
 def apply_penalties(logits: torch.Tensor, request: Request) -> None:

@@ -1,12 +1,12 @@
 """The CUDA KV-cache writers of csrc/, JIT-built on first use.
 
-`available()` is what engine.kv_writer asks before dispatching a CUDA cache to
+`available()` is what engine.ops.kv_writer asks before dispatching a CUDA cache to
 the kernels; everything else (CPU, no CUDA toolkit, a failed build) falls back
 to the torch reference there. The build goes through
 `torch.utils.cpp_extension.load` into a cache directory, so only the first
 process on a machine pays for it (torch's file lock serialises DP ranks).
 
-Environment:
+Environment (engine/envs.py):
   KVSENTRY_EXTENSION_DIR    build cache root (default ~/.cache/kvsentry/torch_extensions)
   KVSENTRY_CSRC_DIR         the sources (default: the checkout's csrc/); where there are
                             none, a library prebuilt into the build cache is loaded
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
+from engine import envs
+
 log = logging.getLogger(__name__)
 
 # The sources: the checkout's csrc/, or KVSENTRY_CSRC_DIR (an image builds from its copy).
-CSRC = Path(os.environ.get("KVSENTRY_CSRC_DIR", Path(__file__).resolve().parent.parent / "csrc"))
+CSRC = envs.csrc_dir()
 HOST_SOURCES = ("torch_bindings.cpp", "cache_kernels_host.cpp", "cpu_attention.cpp")
 CUDA_SOURCES = HOST_SOURCES + ("cache_kernels.cu",)
 # nvcc only *warns* when device code calls a host function (#20011-#20015),
@@ -48,7 +50,7 @@ _X86_LEVELS = ["DEFAULT", "AVX2", "AVX512"]
 
 def cpu_capability() -> str:
     found = torch.backends.cpu.get_cpu_capability()
-    cap = os.environ.get("KVSENTRY_CPU_ARCH", "").upper()
+    cap = envs.cpu_arch_cap()
     if not cap:
         return found
     if cap not in _X86_LEVELS:
@@ -62,7 +64,7 @@ _loaded: tuple[str, str] | None = None
 
 
 def default_build_directory(with_cuda: bool) -> Path:
-    root = Path(os.environ.get("KVSENTRY_EXTENSION_DIR", Path.home() / ".cache" / "kvsentry" / "torch_extensions"))
+    root = envs.extension_dir()
     flavour = f"cu{torch.version.cuda}" if with_cuda else "cpu"
     return root / f"torch{torch.__version__.split('+')[0]}-{flavour}-{cpu_capability().lower()}"
 
@@ -107,7 +109,7 @@ def _cuda_build_ok() -> bool:
         build(with_cuda=True)
         return bool(torch.ops.kvsentry.built_with_cuda())
     except Exception as exc:  # no toolkit, compiler error, version mismatch...
-        if os.environ.get("KVSENTRY_REQUIRE_CUDA_OPS") == "1":
+        if envs.require_cuda_ops():
             raise
         log.warning("kvsentry CUDA KV writers unavailable, using the torch reference: %s", exc)
         return False
@@ -118,7 +120,7 @@ def _cuda_build_ok() -> bool:
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """True when CUDA caches can use the kernels (builds them on the first call)."""
-    if os.environ.get("KVSENTRY_DISABLE_CUDA_OPS") == "1" or not torch.cuda.is_available():
+    if envs.disable_cuda_ops() or not torch.cuda.is_available():
         return False
     return _cuda_build_ok()
 
@@ -127,7 +129,7 @@ def _cuda_only(name: str, *tensors: torch.Tensor | None) -> None:
     for t in tensors:
         if t is not None and not t.is_cuda:
             raise ValueError(f"cuda_ops.{name}: every tensor must be on a CUDA device, got one on {t.device} "
-                             "(CPU caches go through engine.kv_writer's torch reference)")
+                             "(CPU caches go through engine.ops.kv_writer's torch reference)")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

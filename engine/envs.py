@@ -1,0 +1,87 @@
+"""Every KVSENTRY_* environment variable, read here and nowhere else.
+
+Each is read when asked for (not at import), so a process sees its own environment and a
+test may set one for a single call. The CLI and the config never read the environment
+themselves; they ask this module.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+
+
+VARIABLES = (
+    EnvVar("KVSENTRY_API_KEY", "default of --api-key: the bearer key every /v1 request must carry"),
+    EnvVar("KVSENTRY_CACHE_DIR", "where the built-in demo checkpoints are written (default ~/.cache/kvsentry)"),
+    EnvVar("KVSENTRY_EXTENSION_DIR", "build cache of the csrc/ ops (default ~/.cache/kvsentry/torch_extensions)"),
+    EnvVar("KVSENTRY_CSRC_DIR", "the csrc/ sources (default: the checkout's); with none, a prebuilt library loads"),
+    EnvVar("KVSENTRY_CPU_ARCH", "cap the CPU kernels' vector ISA: DEFAULT, AVX2 or AVX512"),
+    EnvVar("KVSENTRY_DISABLE_CPU_OPS", "=1: never use the CPU kernels (the torch reference runs)"),
+    EnvVar("KVSENTRY_REQUIRE_CPU_OPS", "=1: a failed CPU kernel build is an error, never a fallback"),
+    EnvVar("KVSENTRY_DISABLE_CUDA_OPS", "=1: never use the CUDA kernels (the torch reference runs)"),
+    EnvVar("KVSENTRY_REQUIRE_CUDA_OPS", "=1: a failed CUDA kernel build is an error, never a fallback"),
+    EnvVar("KVSENTRY_TEST_CACHE_DIGEST", "=1: ranks ship a digest of their whole cache (tests)"),
+)
+_NAMES = {v.name for v in VARIABLES}
+
+
+def _get(name: str) -> str | None:
+    assert name in _NAMES, f"{name} is not declared in engine/envs.py"
+    return os.environ.get(name) or None
+
+
+def _flag(name: str) -> bool:
+    return _get(name) == "1"
+
+
+def api_key() -> str | None:
+    return _get("KVSENTRY_API_KEY")
+
+
+def cache_dir() -> Path:
+    root = _get("KVSENTRY_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvsentry"
+
+
+def extension_dir() -> Path:
+    root = _get("KVSENTRY_EXTENSION_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvsentry" / "torch_extensions"
+
+
+def csrc_dir() -> Path:
+    root = _get("KVSENTRY_CSRC_DIR")
+    return Path(root) if root else _REPO_ROOT / "csrc"
+
+
+def cpu_arch_cap() -> str:
+    """'' (no cap) or the requested ISA, upper-cased."""
+    return (_get("KVSENTRY_CPU_ARCH") or "").upper()
+
+
+def disable_cpu_ops() -> bool:
+    return _flag("KVSENTRY_DISABLE_CPU_OPS")
+
+
+def require_cpu_ops() -> bool:
+    return _flag("KVSENTRY_REQUIRE_CPU_OPS")
+
+
+def disable_cuda_ops() -> bool:
+    return _flag("KVSENTRY_DISABLE_CUDA_OPS")
+
+
+def require_cuda_ops() -> bool:
+    return _flag("KVSENTRY_REQUIRE_CUDA_OPS")
+
+
+def test_cache_digest() -> bool:
+    return _flag("KVSENTRY_TEST_CACHE_DIGEST")
