@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from engine.gguf.hf_config import eos_token_ids, hf_config_from_gguf
+from engine.gguf.reader import is_gguf_path, read_gguf
+
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -64,7 +67,8 @@ def default_pad_buckets(max_tokens: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The parts of a Hugging Face config.json the engine uses."""
+    """The parts of a Hugging Face config.json the engine uses (for a GGUF file, the
+    config.json its metadata describes)."""
     path: str
     architecture: str
     hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False)
@@ -82,6 +86,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     num_experts: int = 0
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a turn (generation_config.json)
+    tokenizer: str = ""  # a tokenizer directory or .gguf file; the model path unless overridden
 
     @property
     def is_mla(self) -> bool:
@@ -95,18 +100,18 @@ class ModelConfig:
         return self.hf_config.get(key, default)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "float32") -> "ModelConfig":
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+                        tokenizer: str | os.PathLike | None = None) -> "ModelConfig":
         root = Path(path)
-        config_file = root / "config.json"
-        if not root.is_dir():
-            raise FileNotFoundError(f"model directory not found: {root}")
-        if not config_file.is_file():
-            raise FileNotFoundError(f"model directory {root} has no config.json")
-        hf = json.loads(config_file.read_text())
+        if is_gguf_path(root):
+            gguf = read_gguf(root)
+            hf, eos_ids, source = hf_config_from_gguf(gguf), eos_token_ids(gguf), root
+        else:
+            hf, eos_ids, source = _read_config_json(root)
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r} in {config_file}; "
+            raise ValueError(f"unsupported architecture {arch!r} in {source}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         num_heads = hf["num_attention_heads"]
         kv_lora_rank = hf.get("kv_lora_rank") or 0 if arch.startswith("Deepseek") else 0
@@ -118,12 +123,9 @@ class ModelConfig:
         else:
             head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
             num_kv_heads = hf.get("num_key_value_heads") or num_heads
-        generation_file = root / "generation_config.json"
-        eos = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
-        eos = hf.get("eos_token_id") if eos is None else eos
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
             path=str(root), architecture=arch, hf_config=hf, eos_token_ids=eos_ids,
+            tokenizer=str(tokenizer if tokenizer is not None else root),
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -139,6 +141,21 @@ class ModelConfig:
         if self.is_mla:
             return (self.kv_lora_rank + self.qk_rope_head_dim) * elem
         return 2 * self.num_kv_heads * self.head_dim * elem
+
+
+def _read_config_json(root: Path) -> tuple[dict[str, Any], tuple[int, ...], Path]:
+    """config.json, the end-of-turn ids (generation_config.json wins) and the file read."""
+    config_file = root / "config.json"
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory not found: {root}")
+    if not config_file.is_file():
+        raise FileNotFoundError(f"model directory {root} has no config.json")
+    hf = json.loads(config_file.read_text())
+    generation_file = root / "generation_config.json"
+    eos = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
+    eos = hf.get("eos_token_id") if eos is None else eos
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    return hf, eos_ids, config_file
 
 
 @dataclass(frozen=True)
@@ -192,7 +209,8 @@ class EngineConfig:
         return num_tokens
 
     @classmethod
-    def create(cls, model: str, *, dtype: str = "float32", kv_cache_memory: int | str = "1GiB",
+    def create(cls, model: str, *, tokenizer: str | None = None, dtype: str = "float32",
+               kv_cache_memory: int | str = "1GiB",
                num_gpu_blocks: int | None = None, max_model_len: int | None = None,
                data_parallel_size: int = 1, data_parallel_rank: int = 0,
                data_parallel_size_local: int | None = None, data_parallel_start_rank: int = 0,
@@ -203,7 +221,7 @@ class EngineConfig:
         for key in kwargs:
             if key not in known:
                 raise ValueError(f"{key}: unknown engine argument")
-        model_config = ModelConfig.from_pretrained(model, dtype)
+        model_config = ModelConfig.from_pretrained(model, dtype, tokenizer)
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(limit, 4096)

@@ -19,7 +19,7 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.config = EngineConfig.create(model, **engine_args)
-        self.tokenizer = Tokenizer(model)
+        self.tokenizer = Tokenizer(self.config.model.tokenizer)
         if self.config.parallel.data_parallel_size > 1:
             from engine.dp.client import DPEngineClient
             self.engine = DPEngineClient(self.config)

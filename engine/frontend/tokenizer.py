@@ -1,4 +1,5 @@
-"""The checkpoint's tokenizer (tokenizer.json via `tokenizers`) and chat template."""
+"""The checkpoint's tokenizer (tokenizer.json via `tokenizers`, or rebuilt from a GGUF file's
+metadata) and chat template."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.gguf.reader import is_gguf_path, read_gguf
+from engine.gguf.tokenizer import build_tokenizer
+
 
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
@@ -18,7 +22,17 @@ def _token_text(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, path: str | Path):
+        """`path`: a directory with tokenizer.json (and tokenizer_config.json, ...) or a .gguf file."""
         root = Path(path)
+        self._template: jinja2.Template | None = None
+        if is_gguf_path(root):
+            gguf = build_tokenizer(read_gguf(root))
+            self.backend = gguf.backend
+            self.bos_token, self.eos_token = gguf.bos_token, gguf.eos_token
+            self.eos_token_id: int | None = gguf.eos_token_id
+            self.eos_token_ids: list[int] = list(gguf.eos_token_ids)
+            self.chat_template: str | None = gguf.chat_template
+            return
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"model directory {root} has no tokenizer.json")
@@ -29,16 +43,15 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         eos_id = generation.get("eos_token_id", model_config.get("eos_token_id"))
-        self.eos_token_ids: list[int] = eos_id if isinstance(eos_id, list) else ([eos_id] if eos_id is not None else [])
+        self.eos_token_ids = eos_id if isinstance(eos_id, list) else ([eos_id] if eos_id is not None else [])
         if isinstance(eos_id, list):
             eos_id = eos_id[0] if eos_id else None
         if eos_id is None and self.eos_token is not None:
             eos_id = self.backend.token_to_id(self.eos_token)
-        self.eos_token_id: int | None = eos_id
+        self.eos_token_id = eos_id
         template_file = root / "chat_template.jinja"
-        self.chat_template: str | None = (template_file.read_text() if template_file.is_file()
-                                          else config.get("chat_template"))
-        self._template: jinja2.Template | None = None
+        self.chat_template = (template_file.read_text() if template_file.is_file()
+                              else config.get("chat_template"))
 
     @staticmethod
     def _read_json(path: Path) -> dict[str, Any]:

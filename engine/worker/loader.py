@@ -1,15 +1,24 @@
-"""Load a Hugging Face checkpoint directory (sharded or not) into a model."""
+"""Load a checkpoint into a model: a Hugging Face directory (sharded or not) of safetensors,
+or a GGUF file, dequantized into the serving dtype."""
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.gguf.reader import is_gguf_path, read_gguf
+from engine.gguf.weights import gguf_weights
 from engine.models.registry import build_model
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -28,21 +37,36 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def load_model(config: EngineConfig) -> nn.Module:
-    """Build the model for this rank and fill it; only tensors the rank wants are read."""
-    with torch.device(config.device):
-        model = build_model(config)
-    loaded: set[str] = set()
-    for file in checkpoint_files(config.model.path):
+def safetensors_weights(path: str | Path, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if not model.wants_weight(name):
-                    continue
-                model.load_weight(name, f.get_tensor(name))
-                loaded.add(name)
+                if model.wants_weight(name):
+                    yield name, f.get_tensor(name)
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    """Build the model for this rank and fill it; only tensors the rank wants are read."""
+    start = time.perf_counter()
+    path = config.model.path
+    with torch.device(config.device):
+        model = build_model(config)
+    if is_gguf_path(path):
+        # One bar per machine is enough: DP rank 0 draws it, on a terminal only.
+        progress = sys.stderr.isatty() and config.parallel.data_parallel_rank == 0
+        weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress)
+    else:
+        weights = safetensors_weights(path, model)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        model.load_weight(name, tensor)
+        loaded.add(name)
     missing = model.expected_weights() - loaded
     if missing:
-        raise ValueError(f"checkpoint {config.model.path} lacks weights: {', '.join(sorted(missing)[:8])}")
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
     model = model.to(config.model.dtype).eval()
     model.prepare_for_inference()
+    logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),
+                str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
+                config.parallel.data_parallel_rank)
     return model
