@@ -168,8 +168,6 @@ class ParallelConfig:
     data_parallel_rpc_port: int = 29550
     # Dummy-batch inputs: token 0 everywhere, or random ids that spread tokens over experts.
     dummy_batch_random_inputs: bool = False
-    # Test-only: build dummy batches the old broken way (zero slots, NaN hidden states).
-    unsafe_legacy_dummy_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -215,7 +213,7 @@ class EngineConfig:
                data_parallel_size: int = 1, data_parallel_rank: int = 0,
                data_parallel_size_local: int | None = None, data_parallel_start_rank: int = 0,
                data_parallel_address: str = "127.0.0.1", data_parallel_rpc_port: int = 29550,
-               dummy_batch_random_inputs: bool = False, unsafe_legacy_dummy_batch: bool = False,
+               dummy_batch_random_inputs: bool = False,
                **kwargs: Any) -> "EngineConfig":
         known = {f.name for f in dataclasses.fields(cls)} - {"model", "parallel", "num_blocks"}
         for key in kwargs:
@@ -253,8 +251,7 @@ class EngineConfig:
             data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
             data_parallel_size_local=local, data_parallel_start_rank=data_parallel_start_rank,
             data_parallel_address=data_parallel_address, data_parallel_rpc_port=data_parallel_rpc_port,
-            dummy_batch_random_inputs=dummy_batch_random_inputs,
-            unsafe_legacy_dummy_batch=unsafe_legacy_dummy_batch)
+            dummy_batch_random_inputs=dummy_batch_random_inputs)
         return cls(model=model_config, parallel=parallel, max_model_len=max_model_len,
                    num_blocks=num_gpu_blocks, **kwargs)
 

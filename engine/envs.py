@@ -29,7 +29,6 @@ VARIABLES = (
     EnvVar("KVSENTRY_REQUIRE_CPU_OPS", "=1: a failed CPU kernel build is an error, never a fallback"),
     EnvVar("KVSENTRY_DISABLE_CUDA_OPS", "=1: never use the CUDA kernels (the torch reference runs)"),
     EnvVar("KVSENTRY_REQUIRE_CUDA_OPS", "=1: a failed CUDA kernel build is an error, never a fallback"),
-    EnvVar("KVSENTRY_TEST_CACHE_DIGEST", "=1: ranks ship a digest of their whole cache (tests)"),
 )
 _NAMES = {v.name for v in VARIABLES}
 
@@ -81,7 +80,3 @@ def disable_cuda_ops() -> bool:
 
 def require_cuda_ops() -> bool:
     return _flag("KVSENTRY_REQUIRE_CUDA_OPS")
-
-
-def test_cache_digest() -> bool:
-    return _flag("KVSENTRY_TEST_CACHE_DIGEST")

@@ -81,9 +81,6 @@ class StepStats(msgspec.Struct, array_like=True):
     scan_seconds: list[float] = []
     scan_coverage_steps: int = 0
     nan_policy_tripped: bool = False
-    # Test hook (KVSENTRY_TEST_CACHE_DIGEST=1): blake2b of every byte of the rank's KV cache.
-    cache_digest: str = ""
-    null_block_nonzero: int = -1  # same hook: non-zero bytes in block 0 of every layer (-1 = not computed)
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -5,13 +5,10 @@ Works on token ids only; detokenization and stop strings live in the front end
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import time
 
 import torch
 
-from engine import envs
 from engine.config import EngineConfig
 from engine.paging import NULL_BLOCK_ID
 from engine.messages import EngineCoreOutput, EngineRequest, StepStats
@@ -19,25 +16,6 @@ from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.worker.sentinel import NaNSentinel
-
-
-_DIGEST = envs.test_cache_digest()
-
-
-def cache_digest(kv_caches) -> str:
-    """Hash of every byte of the cache (tests: proves a rank's cache is bitwise unchanged)."""
-    from engine.worker.kv_cache import layer_tensors
-    digest = hashlib.blake2b(digest_size=16)
-    for entry in kv_caches:
-        for t in layer_tensors(entry):
-            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def null_block_nonzero(kv_caches) -> int:
-    from engine.worker.kv_cache import layer_tensors
-    return sum(int(t[0].contiguous().view(torch.uint8).count_nonzero())
-               for entry in kv_caches for t in layer_tensors(entry))
 
 
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:
@@ -121,24 +99,22 @@ class EngineCore:
         self.padded_tokens += num_padded - sched.num_tokens
         result = self.runner.execute(sched, num_padded)
         outputs += self._update(sched, result)
-        self._watch_cache()
+        self._watch_cache(result.written_slots)
         return outputs + self.take_pending()
 
     def run_dummy(self, num_padded: int) -> None:
         self.steps += 1
         self.dummy_batches += 1
         self.padded_tokens += num_padded
-        self.runner.run_dummy(num_padded)
-        self._watch_cache()
+        self._watch_cache(self.runner.run_dummy(num_padded))
 
     def idle_scan(self) -> None:
         """A sentinel pass between steps (idle ranks call it on every heartbeat)."""
-        self.runner.last_written_slots = None
-        self._watch_cache()
+        self._watch_cache(None)
 
-    def _watch_cache(self) -> None:
-        """Run the sentinel over what this step wrote, then apply the NaN policy."""
-        poisoned = self.sentinel.step(self.runner.last_written_slots, self.config.block_size)
+    def _watch_cache(self, written_slots: torch.Tensor | None) -> None:
+        """Run the sentinel over what this step wrote (None: nothing), then apply the NaN policy."""
+        poisoned = self.sentinel.step(written_slots, self.config.block_size)
         policy = self.config.nan_policy
         if policy == "fail" and (poisoned or self.sentinel.null_block_poisoned):
             self.nan_policy_tripped = True
@@ -228,6 +204,4 @@ class EngineCore:
             nan_detections=list(self.sentinel.detections.items()),
             heals=self.heals, scan_seconds=self.sentinel.take_scan_seconds(),
             scan_coverage_steps=self.sentinel.coverage_steps,
-            nan_policy_tripped=self.nan_policy_tripped,
-            cache_digest=cache_digest(self.runner.kv_caches) if _DIGEST else "",
-            null_block_nonzero=null_block_nonzero(self.runner.kv_caches) if _DIGEST else -1)
+            nan_policy_tripped=self.nan_policy_tripped)

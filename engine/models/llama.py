@@ -92,9 +92,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.get("rms_norm_eps", 1e-6))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         for layer in self.layers:
             hidden = layer(positions, hidden, ctx)
         return self.norm(hidden)
@@ -112,9 +111,12 @@ class CausalLM(nn.Module):
         if mc.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx, inputs_embeds)  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (transformers' name), where a forward hook sees every step's first activations."""
+        return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_tokens, vocab]

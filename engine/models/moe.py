@@ -263,10 +263,9 @@ class MoECausalLM(CausalLM):
                 self._expert_targets.update(module.checkpoint_targets(name))
                 self._stacked_names.update({f"{name}.gate_up_proj", f"{name}.down_proj"})
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        with self.ep.step(input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]):
-            return self.model(input_ids, positions, ctx, inputs_embeds)  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        with self.ep.step(input_ids.shape[0]):
+            return self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
 
     def wants_weight(self, name: str) -> bool:
         layer = _LAYER_NAME.match(name)

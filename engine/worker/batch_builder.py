@@ -24,7 +24,6 @@ class StepBatch:
     positions: torch.Tensor        # [num_padded_tokens]
     meta: AttentionMetadata
     logits_indices: list[int]      # per scheduled request: the token whose logits sample (or -1)
-    inputs_embeds: torch.Tensor | None = None  # only the legacy (broken) dummy batch sets it
 
     @property
     def is_dummy(self) -> bool:
@@ -46,10 +45,6 @@ class BatchBuilder:
         self.query_start_loc = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64)
         self._np_ids, self._np_pos, self._np_slots = self.input_ids.numpy(), self.positions.numpy(), self.slot_mapping.numpy()
         self._np_tables = self.block_tables.numpy()
-        # The old, broken dummy batch read its slots from a zero-initialised buffer that was
-        # never refilled; kept only so tests (and fault injection) can reproduce the failure.
-        self._legacy_slot_mapping = torch.zeros(max_tokens, dtype=torch.int64)
-        self.legacy_next_dummy = False  # fault injection: build the next dummy batch the broken way
         self._generator = torch.Generator().manual_seed(config.seed + config.parallel.data_parallel_rank)
 
     def build(self, sched: SchedulerOutput, num_padded: int | None = None) -> StepBatch:
@@ -84,14 +79,11 @@ class BatchBuilder:
         self.seq_lens[num_reqs:] = 0
         self.query_start_loc[:num_reqs + 1] = torch.tensor(starts, dtype=torch.int64)
         self.query_start_loc[num_reqs + 1:] = num_tokens
-        return self._batch(num_reqs, num_tokens, num_padded, starts, seq_lens, logits_indices,
-                           self.slot_mapping)
+        return self._batch(num_reqs, num_tokens, num_padded, starts, seq_lens, logits_indices)
 
     def build_dummy(self, num_padded: int) -> StepBatch:
         """A batch of `num_padded` tokens that writes nothing: all slots PAD_SLOT_ID, tables 0."""
         assert 1 <= num_padded <= self.max_tokens
-        unsafe = self.config.parallel.unsafe_legacy_dummy_batch or self.legacy_next_dummy
-        self.legacy_next_dummy = False
         if self.config.parallel.dummy_batch_random_inputs:
             self.input_ids[:num_padded].random_(0, self.config.model.vocab_size, generator=self._generator)
         else:
@@ -101,21 +93,14 @@ class BatchBuilder:
         self._np_tables[:] = NULL_BLOCK_ID
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
-        batch = self._batch(0, 0, num_padded, [0], [], [],
-                            self._legacy_slot_mapping if unsafe else self.slot_mapping)
-        if unsafe:
-            # Uninitialised activations: what an unfilled dummy buffer can hold.
-            batch.inputs_embeds = torch.full((num_padded, self.config.model.hidden_size), float("nan"),
-                                             dtype=self.config.model.dtype)
-        return batch
+        return self._batch(0, 0, num_padded, [0], [], [])
 
     def _batch(self, num_reqs: int, num_tokens: int, num_padded: int, starts: list[int],
-               seq_lens: list[int], logits_indices: list[int],
-               slot_buffer: torch.Tensor) -> StepBatch:
+               seq_lens: list[int], logits_indices: list[int]) -> StepBatch:
         device = self.config.device
         meta = AttentionMetadata(
             num_reqs=num_reqs, num_tokens=num_tokens, num_padded_tokens=num_padded,
-            slot_mapping=slot_buffer[:num_padded].to(device, non_blocking=True),
+            slot_mapping=self.slot_mapping[:num_padded].to(device, non_blocking=True),
             query_start_loc=self.query_start_loc[:num_reqs + 1].to(device, non_blocking=True),
             seq_lens=self.seq_lens[:num_reqs].to(device, non_blocking=True),
             block_tables=self.block_tables[:max(num_reqs, 1)].to(device, non_blocking=True),

@@ -18,6 +18,7 @@ from engine.core.scheduler import SchedulerOutput
 
 @dataclass
 class RunnerOutput:
+    written_slots: torch.Tensor  # [num_tokens] int64: the cache slots this step wrote (its real tokens)
     sampled: dict[str, int] = field(default_factory=dict)                 # request key -> token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
@@ -34,26 +35,25 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # Device-side count of cache writes whose slot fell in the null block.
         self.null_block_writes = torch.zeros(1, dtype=torch.int64, device=config.device)
-        self.last_written_slots: torch.Tensor | None = None
         if torch.device(config.device).type == "cpu":
             cpu_ops.available()  # build (or load) the CPU attention kernel now, not inside a step
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]
         ctx = StepContext(meta=batch.meta, kv_caches=self.kv_caches, null_block_writes=self.null_block_writes)
-        return self.model(batch.input_ids, batch.positions, ctx, batch.inputs_embeds)
+        return self.model(batch.input_ids, batch.positions, ctx)
 
-    def run_dummy(self, num_padded: int) -> None:
+    def run_dummy(self, num_padded: int) -> torch.Tensor:  # [num_padded] int64
+        """Step a dummy batch; returns the slot mapping it ran with (all PAD_SLOT_ID: no writes)."""
         batch = self.builder.build_dummy(num_padded)
-        self.last_written_slots = batch.meta.slot_mapping  # all PAD_SLOT_ID unless legacy-broken
         self.forward(batch)
+        return batch.meta.slot_mapping
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, num_padded: int | None = None) -> RunnerOutput:
         batch = self.builder.build(sched, num_padded)
-        self.last_written_slots = batch.meta.slot_mapping[:batch.meta.num_tokens]
         hidden = self.forward(batch)
-        out = RunnerOutput()
+        out = RunnerOutput(written_slots=batch.meta.slot_mapping[:batch.meta.num_tokens])
         requests = [r for r, _ in sched.scheduled]
         sample_rows = [i for i, idx in enumerate(batch.logits_indices) if idx >= 0]
         if sample_rows:

@@ -1,5 +1,6 @@
 """Helpers for the data-parallel tests and benchmark: ports, prompts, references, driving a
-DPEngineClient request by request, and reading rank processes' CPU time.
+DPEngineClient request by request, reading rank processes' CPU time, and looking inside
+rank processes (a bitwise digest of each rank's KV cache; the old broken dummy batch).
 
 Rank processes are *spawned*, so anything that builds a DP LLM must run under an
 `if __name__ == "__main__":` guard (pytest is fine: it imports test modules).
@@ -7,20 +8,25 @@ Rank processes are *spawned*, so anything that builds a DP LLM must run under an
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import random
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Iterable
+from unittest import mock
 
 import torch
 
+from engine.config import EngineConfig
+from engine.dp import client as dp_client
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
 
 GREEDY16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
-DIGEST_ENV = "KVSENTRY_TEST_CACHE_DIGEST"
 
 
 # -- ports ---------------------------------------------------------------------------------------
@@ -135,14 +141,64 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+# -- looking inside rank processes ---------------------------------------------------------------
+
+def probed_rank(report_dir: str | None, legacy_dummy: bool, config: EngineConfig, rank: int) -> None:
+    """A rank process's entry point for tests: the real `run_rank`, whose EngineCore also
+    writes a report (steps, a digest of every byte of its KV cache, non-zero bytes in block 0)
+    to `report_dir` each time it reports stats, and, with `legacy_dummy`, runs every dummy
+    batch the old broken way (tests/engine/cache_probe.py)."""
+    from engine.core.engine_core import EngineCore
+    from engine.dp import rank as rank_module
+    from tests.engine.cache_probe import LegacyDummyCore, cache_digest, null_block_nonzero
+
+    class ProbedCore(LegacyDummyCore if legacy_dummy else EngineCore):
+        def stats(self):
+            stats = super().stats()
+            if report_dir is not None:
+                report = {"steps": stats.steps, "digest": cache_digest(self.runner.kv_caches),
+                          "null_block_nonzero": null_block_nonzero(self.runner.kv_caches)}
+                path = report_path(report_dir, config, rank)
+                scratch = path.with_suffix(".tmp")
+                scratch.write_text(json.dumps(report))
+                os.replace(scratch, path)  # a reader never sees half a report
+            return stats
+
+    rank_module.EngineCore = ProbedCore  # this spawned process only
+    rank_module.run_rank(config, rank)
+
+
 @contextlib.contextmanager
-def env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
+def probed_ranks(report_dir: str | Path | None, legacy_dummy: bool = False):
+    """DP clients created inside the block start their ranks through `probed_rank`. The
+    client spawns `engine.dp.client.run_rank` by name; a spawned child unpickles the
+    partial by importing this module."""
+    target = functools.partial(probed_rank, None if report_dir is None else str(report_dir), legacy_dummy)
+    with mock.patch.object(dp_client, "run_rank", target):
         yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+
+
+def report_path(report_dir: str | Path, config: EngineConfig, rank: int) -> Path:
+    # The rpc port tells groups apart: free_port_block never hands a port out twice.
+    return Path(report_dir) / f"port{config.parallel.data_parallel_rpc_port}-rank{rank}.json"
+
+
+def cache_reports(engine, report_dir: str | Path, timeout: float = 30.0) -> dict[int, dict]:
+    """rank -> its latest report, once every report is of the step count the client's stats
+    show (so the digest is of the cache as of those stats). For a group that is not stepping."""
+    deadline = time.monotonic() + timeout
+    size = engine.config.parallel.data_parallel_size
+    while True:
+        reports = {}
+        for rank in range(size):
+            path = report_path(report_dir, engine.config, rank)
+            stats = engine.stats.get(rank)
+            if path.exists() and stats is not None:
+                report = json.loads(path.read_text())
+                if report["steps"] == stats.steps:
+                    reports[rank] = report
+        if len(reports) == size:
+            return reports
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank reports never matched the stats: {engine.stats}")
+        engine.step(timeout=0.2)

@@ -4,9 +4,12 @@ logits from transformers for the same checkpoint.
 `PagedRunner` plays scheduler + batch builder in miniature: each request gets its
 own blocks (block 0, the null block, is never handed out), slots come from the
 block table, padded tokens carry PAD_SLOT_ID and padded table columns point at 0.
+A step may run on NaN activations (a forward hook on the embedding), as a dummy batch
+built from garbage buffers would.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from engine.paging import PAD_SLOT_ID
 from engine.worker.kv_cache import allocate_kv_cache
 from engine.worker.loader import load_model
 from engine.models.layers import StepContext
+from tests.engine.cache_probe import nan_embeddings
 
 
 def engine_config(path: str | Path, **kwargs) -> EngineConfig:
@@ -38,7 +42,7 @@ class PagedRunner:
 
     @torch.inference_mode()
     def step(self, batch: dict[str, list[int]], pad_to: int = 0,
-             inputs_embeds: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             nan_activations: bool = False) -> dict[str, torch.Tensor]:
         """Run one step: each request's new tokens, then padding up to `pad_to` tokens
         (an empty `batch` is a dummy batch). Returns each request's logits [num_new, vocab]."""
         bs = self.config.block_size
@@ -75,7 +79,8 @@ class PagedRunner:
             block_tables=tables, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
             max_seq_len=max(seq_lens, default=0))
         ctx = StepContext(meta=meta, kv_caches=self.caches, null_block_writes=self.null_block_writes)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx, inputs_embeds)
+        with nan_embeddings(self.model) if nan_activations else contextlib.nullcontext():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)  # [num_padded, hidden]
         assert hidden.shape[0] == num_padded
         logits = self.model.compute_logits(hidden[:num_tokens])
         return {key: logits[starts[i]:starts[i + 1]] for i, key in enumerate(batch)}

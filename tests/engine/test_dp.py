@@ -1,17 +1,18 @@
 """Data parallel + expert parallel, end to end: real rank processes over gloo.
 
 Idle ranks of a busy DP group run dummy batches; these tests check that the
-dummy batches never write the KV cache (bitwise, through the test-only
-`StepStats.cache_digest` of KVSENTRY_TEST_CACHE_DIGEST=1), that outputs do not
+dummy batches never write the KV cache (bitwise: ranks started through
+dp_helpers.probed_rank report a digest of their whole cache), that outputs do not
 depend on DP size or on which rank serves a request, that the old broken dummy
-batch really does poison the next requests, that random arrivals and aborts
-drain without deadlock, that an idle group does not spin, and that a killed rank
-fails the client fast instead of hanging it.
+batch (cache_probe.LegacyDummyRunner) really does poison the next requests, that
+random arrivals and aborts drain without deadlock, that an idle group does not
+spin, and that a killed rank fails the client fast instead of hanging it.
 
 One DP=2 LLM per model is shared by the module (startup costs ~10 s on 2 cores).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,8 +27,9 @@ import pytest
 from engine import LLM
 from engine.dp.client import EngineDeadError
 from engine.sampling_params import SamplingParams
-from tests.engine.dp_helpers import (DIGEST_ENV, GREEDY16, MIXED_LENGTHS, Collected, cpu_seconds, drain,
-                                     env, free_port_block, hf_greedy, make_prompts, request, wait_stats)
+from tests.engine.dp_helpers import (GREEDY16, MIXED_LENGTHS, Collected, cache_reports, cpu_seconds, drain,
+                                     free_port_block, hf_greedy, make_prompts, probed_ranks, request,
+                                     wait_stats)
 
 MODELS = ["tiny-deepseek-v3", "tiny-mixtral", "tiny-qwen3-moe"]
 ENGINE_ARGS = dict(max_model_len=256, num_gpu_blocks=64, nan_sentinel="full")
@@ -39,20 +41,30 @@ SCHEDULES = {
 }
 
 
-def make_dp_llm(path: str, **overrides) -> LLM:
-    args = {**ENGINE_ARGS, **overrides}
-    with env(DIGEST_ENV, "1"):  # read by each spawned rank when it imports engine_core
-        return LLM(path, data_parallel_size=2, data_parallel_rpc_port=free_port_block(3), **args)
+def make_dp_llm(path: str, report_dir: Path | None = None, legacy_dummy: bool = False, **overrides) -> LLM:
+    """A DP=2 LLM; with `report_dir` its ranks report cache digests there, with `legacy_dummy`
+    they run every dummy batch the old broken way, with neither they are plain ranks."""
+    probe = probed_ranks(report_dir, legacy_dummy) if report_dir or legacy_dummy else contextlib.nullcontext()
+    with probe:
+        return LLM(path, data_parallel_size=2, data_parallel_rpc_port=free_port_block(3),
+                   **{**ENGINE_ARGS, **overrides})
 
 
 @pytest.fixture(scope="module")
-def dp_llm(checkpoint):
-    """dp_llm(model) -> a shared DP=2 LLM (created on first use, closed with the module)."""
+def report_dir(tmp_path_factory) -> Path:
+    """Where the shared groups' ranks write their cache reports."""
+    return tmp_path_factory.mktemp("rank-reports")
+
+
+@pytest.fixture(scope="module")
+def dp_llm(checkpoint, report_dir):
+    """dp_llm(model) -> a shared DP=2 LLM (created on first use, closed with the module)
+    whose ranks report cache digests to `report_dir`."""
     made: dict[str, LLM] = {}
 
     def get(model: str) -> LLM:
         if model not in made:
-            made[model] = make_dp_llm(checkpoint(model))
+            made[model] = make_dp_llm(checkpoint(model), report_dir)
         return made[model]
 
     yield get
@@ -100,10 +112,11 @@ def assert_cache_clean(stats) -> None:
         assert s.nan_values, "nan_sentinel='full' should report per-layer values"
 
 
-def null_block_nonzero(stats) -> int:
-    """Non-zero bytes in block 0 of every layer (computed by ranks under the digest hook)."""
-    assert stats.null_block_nonzero >= 0, "ranks must run with KVSENTRY_TEST_CACHE_DIGEST=1"
-    return stats.null_block_nonzero
+def settled(engine, report_dir: Path) -> tuple[dict, dict[int, dict]]:
+    """Once the group is idle: (rank -> stats, rank -> cache report of those same stats)."""
+    wait_stats(engine, idle, what="both ranks idle")
+    reports = cache_reports(engine, report_dir)
+    return dict(engine.stats), reports
 
 
 # -- 2. a dummy batch leaves every byte of the idle rank's cache unchanged -------------------------
@@ -120,35 +133,33 @@ def lockstep_done(before, busy: int, spare: int):
 
 
 @pytest.mark.timeout(240)
-def test_idle_rank_cache_bitwise_unchanged_by_dummy_batches(dp_llm):
+def test_idle_rank_cache_bitwise_unchanged_by_dummy_batches(dp_llm, report_dir):
     """>= 100 dummy batches on rank 1 while rank 0 decodes leave every byte of rank 1's cache as
     it was (on a fresh group: all zeros, so block 0 included)."""
-    from engine.core.engine_core import cache_digest
     from engine.worker.kv_cache import allocate_kv_cache
+    from tests.engine.cache_probe import cache_digest
     llm = dp_llm("tiny-deepseek-v3")
     engine = llm.engine
-    wait_stats(engine, idle, what="both ranks idle")
-    before = dict(engine.stats)
-    assert before[1].cache_digest, f"ranks must be started with {DIGEST_ENV}=1"
+    before, digests_before = settled(engine, report_dir)
     zero = cache_digest(allocate_kv_cache(llm.config.for_rank(1)))  # a freshly allocated cache
     fresh = real_steps(before[1]) == 0
     if fresh:  # the usual case: this test runs first on the module's group
-        assert before[1].cache_digest == zero, "a rank that never served must have an all-zero cache"
+        assert digests_before[1]["digest"] == zero, "a rank that never served must have an all-zero cache"
 
     long = SamplingParams(temperature=0.0, max_tokens=110, ignore_eos=True)
     outs = llm.generate([[5, 6, 7, 8, 9], list(range(20, 60))], long, rank_of=[0, 0])
     assert all(len(o.outputs[0].token_ids) == 110 for o in outs)
     wait_stats(engine, lockstep_done(before, busy=0, spare=1), what="one dummy per real step")
-    after = dict(engine.stats)
+    after, digests_after = settled(engine, report_dir)
     assert after[1].dummy_batches - before[1].dummy_batches >= 100
     assert real_steps(after[1]) == real_steps(before[1])
-    assert after[1].cache_digest == before[1].cache_digest, "a dummy batch changed rank 1's cache"
+    assert digests_after[1]["digest"] == digests_before[1]["digest"], "a dummy batch changed rank 1's cache"
     if fresh:
-        assert after[1].cache_digest == zero
-        assert after[0].cache_digest != zero  # rank 0 did write its requests' blocks (sanity)
+        assert digests_after[1]["digest"] == zero
+        assert digests_after[0]["digest"] != zero  # rank 0 did write its requests' blocks (sanity)
     assert_cache_clean(after)
-    for rank, s in after.items():
-        assert null_block_nonzero(s) == 0, f"rank {rank}: block 0 is not bitwise zero"
+    for rank, report in digests_after.items():
+        assert report["null_block_nonzero"] == 0, f"rank {rank}: block 0 is not bitwise zero"
 
 
 # -- 1. outputs do not depend on DP size or on which rank serves a request -------------------------
@@ -156,13 +167,12 @@ def test_idle_rank_cache_bitwise_unchanged_by_dummy_batches(dp_llm):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model,schedule", [(m, s) for m in MODELS for s in SCHEDULES],
                          ids=[f"{m}-{s}" for m in MODELS for s in SCHEDULES])
-def test_dp2_greedy_matches_transformers_and_dp1(model, schedule, dp_llm, references):
+def test_dp2_greedy_matches_transformers_and_dp1(model, schedule, dp_llm, references, report_dir):
     prompts, hf, dp1 = references(model)
     assert dp1 == hf, "DP=1 reference diverged from transformers"
     llm = dp_llm(model)
     engine = llm.engine
-    wait_stats(engine, idle, what="both ranks idle")
-    before = dict(engine.stats)
+    before, digests_before = settled(engine, report_dir)
     outs = llm.generate(prompts, GREEDY16, rank_of=SCHEDULES[schedule])
     tokens = [o.outputs[0].token_ids for o in outs]
     for i, (got, want) in enumerate(zip(tokens, hf)):
@@ -170,6 +180,7 @@ def test_dp2_greedy_matches_transformers_and_dp1(model, schedule, dp_llm, refere
     assert tokens == dp1
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
+    spare = None
     if schedule in ("all-on-rank-0", "all-on-rank-1"):
         busy = SCHEDULES[schedule][0]
         spare = 1 - busy
@@ -178,14 +189,16 @@ def test_dp2_greedy_matches_transformers_and_dp1(model, schedule, dp_llm, refere
         after = engine.stats
         assert after[spare].dummy_batches > before[spare].dummy_batches
         assert real_steps(after[spare]) == real_steps(before[spare]), f"idle rank {spare} ran a real step"
-        # The spare rank has served earlier requests (stale slots, live blocks): still not one byte changed.
-        assert after[spare].cache_digest == before[spare].cache_digest, f"dummy batches changed rank {spare}'s cache"
     else:  # default routing and alternating both spread the batch over the two ranks
         wait_stats(engine, lambda st: all(real_steps(st[r]) > real_steps(before[r]) for r in (0, 1)),
                    what="both ranks served")
-    wait_stats(engine, idle, what="both ranks idle")
-    assert_cache_clean(engine.stats)
-    assert all(s.kv_usage == 0 for s in engine.stats.values())
+    final, digests_after = settled(engine, report_dir)
+    if spare is not None:
+        # The spare rank has served earlier requests (stale slots, live blocks): still not one byte changed.
+        assert digests_after[spare]["digest"] == digests_before[spare]["digest"], \
+            f"dummy batches changed rank {spare}'s cache"
+    assert_cache_clean(final)
+    assert all(s.kv_usage == 0 for s in final.values())
 
 
 # -- 3. the old failure, reproduced; and the safe dummy batch under the same schedule --------------
@@ -217,7 +230,7 @@ def test_legacy_dummy_batch_poisons_idle_rank(legacy, dp_llm, checkpoint):
     prompts = make_prompts(vocab, LEGACY_LENGTHS, seed=7)
     reference = [o.outputs[0].token_ids for o in LLM(path, **ENGINE_ARGS).generate(prompts, GREEDY16)]
     if legacy:
-        llm = make_dp_llm(path, unsafe_legacy_dummy_batch=True, nan_sentinel="null-block")
+        llm = make_dp_llm(path, legacy_dummy=True, nan_sentinel="null-block")
     else:
         llm = dp_llm("tiny-deepseek-v3")
     try:

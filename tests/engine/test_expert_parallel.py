@@ -34,7 +34,7 @@ CHECKPOINTS = {
 
 
 def rank_steps(rank: int, vocab: int) -> list[tuple[dict[str, list[int]], int, bool]]:
-    """(batch, pad_to, nan_embeds) per step; both ranks take the same number of steps."""
+    """(batch, pad_to, nan_activations) per step; both ranks take the same number of steps."""
     shared = random_tokens(10, vocab, seed=100)
     steps = [({"same": shared[:7]}, 8, False)]                            # identical on both ranks
     steps += [({"same": [shared[i]]}, 4, False) for i in range(7, 10)]
@@ -52,12 +52,7 @@ def rank_steps(rank: int, vocab: int) -> list[tuple[dict[str, list[int]], int, b
 
 
 def run_steps(runner: PagedRunner, steps) -> list[dict[str, torch.Tensor]]:
-    hidden = runner.config.model.hidden_size
-    out = []
-    for batch, pad_to, nan_embeds in steps:
-        embeds = torch.full((pad_to, hidden), float("nan")) if nan_embeds else None
-        out.append(runner.step(batch, pad_to, inputs_embeds=embeds))
-    return out
+    return [runner.step(batch, pad_to, nan_activations=nan) for batch, pad_to, nan in steps]
 
 
 def _worker(rank: int, port: int, paths: dict[str, str], out_dir: str) -> None:

@@ -12,6 +12,7 @@ from engine.core.engine_core import EngineCore
 from engine.worker.kv_cache import layer_tensors
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
+from tests.engine.cache_probe import LegacyDummyCore
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
@@ -34,9 +35,9 @@ def path(checkpoint):
     return checkpoint("tiny-llama")
 
 
-def make_core(path: str, **kwargs) -> EngineCore:
-    return EngineCore(EngineConfig.create(path, max_model_len=256, block_size=16, num_gpu_blocks=32,
-                                          nan_sentinel="off", **kwargs))
+def make_core(path: str, legacy_dummy: bool = False) -> EngineCore:
+    config = EngineConfig.create(path, max_model_len=256, block_size=16, num_gpu_blocks=32, nan_sentinel="off")
+    return LegacyDummyCore(config) if legacy_dummy else EngineCore(config)
 
 
 def poisoned(core: EngineCore) -> bool:
@@ -60,10 +61,11 @@ def test_nan_in_null_block_corrupts_padded_requests(path):
 
 @pytest.mark.parametrize("broken", [True, False])
 def test_legacy_dummy_batch_writes_null_block(path, broken):
-    """The old dummy batch (zero-initialised slot buffer, garbage activations) writes NaN
-    into block 0 and poisons the next real requests; the safe builder writes nothing."""
+    """The old dummy batch (zero-initialised slot buffer, garbage activations; rebuilt by
+    tests/engine/cache_probe.py) writes NaN into block 0 and poisons the next real requests;
+    the safe builder writes nothing."""
     clean = run_pair(make_core(path))
-    core = make_core(path, unsafe_legacy_dummy_batch=broken)
+    core = make_core(path, legacy_dummy=broken)
     before = [t.clone() for e in core.runner.kv_caches for t in layer_tensors(e)]
     for _ in range(3):
         core.run_dummy(8)

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.paging import PAD_SLOT_ID, slots_for_positions
+from engine.worker.batch_builder import BatchBuilder
 from engine.worker.kv_cache import layer_tensors
 from engine.messages import EngineRequest, Fault
 from engine.sampling_params import SamplingParams
@@ -120,6 +123,47 @@ def test_heal_zeroes_poisoned_null_block(checkpoint):
     for entry in core.runner.kv_caches:
         for t in layer_tensors(entry):
             assert torch.count_nonzero(t[0]) == 0
+
+
+def test_legacy_dummy_fault_breaks_exactly_the_next_dummy_batch(path):
+    """The operator fault: real steps while it is armed are untouched, the next dummy batch
+    writes garbage into block 0 of every layer, and the one after it writes nothing."""
+    core = make_core(path, nan_sentinel="null-block")
+    layers = core.config.model.num_layers
+    core.inject_fault(Fault("legacy_dummy"))
+    core.inject_fault(Fault("legacy_dummy"))  # armed twice: still one broken batch
+    core.add_request(EngineRequest("a", [5, 6, 7], GREEDY))
+    core.step()
+    assert core.stats().null_block_writes == 0 and nan_values(core) == {}
+    core.run_dummy(4)
+    assert core.stats().null_block_writes == 4 * layers
+    assert {region for _, region in nan_values(core)} == {"null_block"}
+    assert type(core.runner.builder) is BatchBuilder  # the real builder is back
+    core.sentinel.zero_block(0)
+    core.run_dummy(4)
+    assert core.stats().null_block_writes == 4 * layers
+    assert nan_values(core) == {}
+    outs = drain(core)
+    assert outs[-1].finish_reason == "length"
+
+
+def test_sentinel_is_given_the_slots_each_step_wrote(checkpoint, monkeypatch):
+    """The runner returns what a step wrote and the core hands exactly that to the sentinel:
+    a real step's token slots, a dummy batch's all-PAD_SLOT_ID mapping, nothing for an idle scan."""
+    core = make_core(checkpoint("tiny-llama"))
+    seen = []
+    scan = core.sentinel.step
+    monkeypatch.setattr(core.sentinel, "step", lambda slots, block_size: seen.append(slots) or scan(slots, block_size))
+    core.add_request(EngineRequest("a", list(range(5, 15)), GREEDY))
+    core.step()  # the prefill: positions 0..9
+    blocks = np.asarray(core.scheduler.requests["a#0"].block_ids, dtype=np.int64)
+    assert seen[-1].tolist() == slots_for_positions(blocks, np.arange(10), core.config.block_size).tolist()
+    core.step()  # one decode token at position 10
+    assert seen[-1].tolist() == slots_for_positions(blocks, np.arange(10, 11), core.config.block_size).tolist()
+    core.run_dummy(4)
+    assert seen[-1].shape == (4,) and bool((seen[-1] == PAD_SLOT_ID).all())
+    core.idle_scan()
+    assert seen[-1] is None
 
 
 def test_fail_policy_trips_and_count_policy_does_not(checkpoint):
