@@ -22,6 +22,9 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+NAN_SENTINEL_MODES = ("off", "null-block", "rolling", "full")  # what the KV cache scan covers
+NAN_POLICIES = ("count", "heal", "fail")  # what a NaN found in the cache triggers
+DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -190,10 +193,10 @@ class EngineConfig:
     seed: int = 0
     # Token counts a step is padded up to (like CUDA-graph capture sizes).
     pad_buckets: tuple[int, ...] = ()
-    nan_sentinel: str = "rolling"  # off | null-block | rolling | full
+    nan_sentinel: str = "rolling"  # one of NAN_SENTINEL_MODES
     nan_scan_blocks_per_step: int = 32
     nan_scan_written_blocks: bool = False  # rolling mode: also scan every block the step wrote
-    nan_policy: str = "count"  # count | heal | fail
+    nan_policy: str = "count"  # one of NAN_POLICIES
     num_threads: int = 0  # torch threads per rank; 0 = cores / local ranks
 
     @property
@@ -222,21 +225,21 @@ class EngineConfig:
         model_config = ModelConfig.from_pretrained(model, dtype, tokenizer)
         limit = model_config.max_position_embeddings
         if max_model_len is None:
-            max_model_len = min(limit, 4096)
+            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
         if not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len: must be in [1, {limit}] for this model, got {max_model_len}")
-        block_size = kwargs.get("block_size", 16)
+        block_size = kwargs.get("block_size", cls.block_size)
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {block_size}")
-        max_num_batched_tokens = kwargs.get("max_num_batched_tokens", 2048)
+        max_num_batched_tokens = kwargs.get("max_num_batched_tokens", cls.max_num_batched_tokens)
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
-        if kwargs.get("max_num_seqs", 64) < 1:
+        if kwargs.get("max_num_seqs", cls.max_num_seqs) < 1:
             raise ValueError("max_num_seqs: must be >= 1")
-        if kwargs.get("nan_sentinel", "rolling") not in ("off", "null-block", "rolling", "full"):
-            raise ValueError("nan_sentinel: must be one of off, null-block, rolling, full")
-        if kwargs.get("nan_policy", "count") not in ("count", "heal", "fail"):
-            raise ValueError("nan_policy: must be one of count, heal, fail")
+        if kwargs.get("nan_sentinel", cls.nan_sentinel) not in NAN_SENTINEL_MODES:
+            raise ValueError(f"nan_sentinel: must be one of {', '.join(NAN_SENTINEL_MODES)}")
+        if kwargs.get("nan_policy", cls.nan_policy) not in NAN_POLICIES:
+            raise ValueError(f"nan_policy: must be one of {', '.join(NAN_POLICIES)}")
         if num_gpu_blocks is None:
             per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
                          * model_config.num_layers)

@@ -87,6 +87,7 @@ class RankReady(msgspec.Struct, tag=True):
     rank: int
     num_blocks: int
     pid: int
+    op_implementations: dict[str, str] = {}  # op -> kernel or torch reference (engine/ops/implementations.py)
 
 
 class RankFailed(msgspec.Struct, tag=True):

@@ -1,13 +1,66 @@
 """Per-request sampling parameters, validated once and immutable afterwards.
 
 A msgspec Struct so the same object crosses the front-end -> rank IPC boundary
-without a hand-written codec.
+without a hand-written codec. `LIMITS` holds every bound a field must respect: the
+struct checks them here, and the HTTP layer's request models take the same bounds
+(service/protocol.py), so the two can never disagree.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top logprobs per token, as the OpenAI API allows
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 10.0
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """An interval, spelled the way pydantic's Field(ge=, gt=, le=, lt=) takes it."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def contains(self, value: float) -> bool:
+        # Written so that NaN is outside every interval.
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def as_field(self) -> dict[str, float]:
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+    def __str__(self) -> str:
+        low = f"[{_number(self.ge)}" if self.ge is not None else (
+            f"({_number(self.gt)}" if self.gt is not None else None)
+        high = f"{_number(self.le)}]" if self.le is not None else (
+            f"{_number(self.lt)})" if self.lt is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        return f">= {_number(self.ge)}" if self.ge is not None else f"> {_number(self.gt)}"
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+LIMITS: dict[str, Bounds] = {
+    "n": Bounds(ge=1),
+    "temperature": Bounds(ge=0.0),
+    "top_p": Bounds(gt=0.0, le=1.0),
+    "top_k": Bounds(ge=-1),  # -1 and 0 disable it
+    "min_p": Bounds(ge=0.0, le=1.0),
+    "max_tokens": Bounds(ge=1),
+    "min_tokens": Bounds(ge=0),
+    "logprobs": Bounds(ge=0, le=MAX_LOGPROBS),
+    "prompt_logprobs": Bounds(ge=0, le=MAX_LOGPROBS),
+    "presence_penalty": Bounds(ge=-MAX_PENALTY, le=MAX_PENALTY),
+    "frequency_penalty": Bounds(ge=-MAX_PENALTY, le=MAX_PENALTY),
+    "repetition_penalty": Bounds(gt=0.0, le=MAX_REPETITION_PENALTY),
+    "seed": Bounds(ge=-(2**63), lt=2**63),  # 64 bits
+}
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,36 +87,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         def bad(field: str, why: str) -> None:
             raise ValueError(f"{field}: {why}")
 
-        if self.n < 1:
-            bad("n", f"must be >= 1, got {self.n}")
-        if not self.temperature >= 0.0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name, bounds in LIMITS.items():
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+            if value is not None and not bounds.contains(value):
+                bad(name, f"must be {bounds}, got {value}")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "token ids must be >= 0")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            bad("seed", "must fit in 64 bits")
 
     @property
     def greedy(self) -> bool:

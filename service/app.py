@@ -8,20 +8,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from engine.messages import Fault
 from service import __version__
 from service.chat import render_chat
 from service.chat import router as chat_router
 from service.completions import router as completions_router
-from service.errors import APIError, bad_request, error_response, from_value_error, install_error_handlers
+from service.errors import bad_request, error_response, install_error_handlers
+from service.faults import router as faults_router
 from service.generate import encode
 from service.metrics import CONTENT_TYPE
 from service.middleware import FrontDoor
-from service.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, FaultRequest, ModelCard,
-                              ModelList, StatusResponse, TokenizeRequest, TokenizeResponse, VersionResponse)
+from service.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                              StatusResponse, TokenizeRequest, TokenizeResponse, VersionResponse)
 from service.responses import ERROR_RESPONSES
 from service.state import AppState
 
@@ -44,6 +44,8 @@ def build_app(state: AppState) -> FastAPI:
     app.add_middleware(FrontDoor, state=state)
     app.include_router(completions_router)
     app.include_router(chat_router)
+    if state.settings.enable_fault_injection:
+        app.include_router(faults_router)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
@@ -95,25 +97,5 @@ def build_app(state: AppState) -> FastAPI:
         if not ok:
             return error_response(503, reason, None, "not_ready", {"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
-
-    @app.post("/debug/faults", response_model=StatusResponse, responses=ERROR_RESPONSES,
-              include_in_schema=state.settings.enable_fault_injection)
-    async def inject_fault(body: FaultRequest, request: Request) -> StatusResponse:
-        if not state.settings.enable_fault_injection:
-            raise APIError(404, "fault injection is disabled (start with --enable-fault-injection)",
-                           None, "not_found")
-        if not state.client.ready:
-            raise APIError(503, "model is still loading", None, "loading", {"Retry-After": "1"})
-        config = state.config
-        if body.layer >= config.model.num_layers:
-            raise APIError(400, f"layer must be < {config.model.num_layers}", "layer", "invalid_value")
-        if body.block >= config.num_blocks:
-            raise APIError(400, f"block must be < {config.num_blocks}", "block", "invalid_value")
-        fault = Fault(kind=body.kind, layer=body.layer, block=body.block, target=body.target)
-        try:
-            await state.client.inject_fault(body.rank, fault)
-        except ValueError as exc:
-            raise from_value_error(exc, "rank") from None
-        return StatusResponse(status="injected", detail={"rank": body.rank, **body.model_dump()})
 
     return app

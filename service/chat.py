@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.errors import bad_request, from_value_error
-from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, complete, encode,
-                              sampling_params, start_generation)
+from service.generate import (EngineFailed, Generation, PromptInput, complete, encode, request_params,
+                              start_generation)
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatLogprobs, ChatMessage, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
@@ -57,12 +57,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
     prompt = render_chat(state, body.messages, body.add_generation_prompt)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, state.config.max_model_len - len(prompt.token_ids))
-    check_prompt(state, prompt, max_tokens, param="messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=logprobs)
+    params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
+                            logprobs=logprobs, param="messages")
     gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
     created = int(time.time())
     if body.stream:

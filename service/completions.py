@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.errors import bad_request
-from service.generate import (EngineFailed, Generation, PromptInput, check_prompt, complete, encode,
-                              sampling_params, start_generation)
+from service.generate import (EngineFailed, Generation, PromptInput, complete, encode, request_params,
+                              start_generation)
 from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
@@ -54,14 +54,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"n: {len(prompts)} prompts x n={body.n} choices exceed the limit of "
                           f"{MAX_CHOICES} per request", "n")
-    limit = state.config.max_model_len
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, limit - max(len(p.token_ids) for p in prompts))
-    for p in prompts:
-        check_prompt(state, p, max_tokens)
-    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=body.logprobs,
-                             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    params = request_params(state, body, prompts, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     gen = start_generation(state, request, "cmpl", ROUTE, prompts, params)
     created = int(time.time())
     if body.stream:

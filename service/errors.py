@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.core.validation import InvalidRequest
+
 logger = logging.getLogger("kvsentry.http")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -34,6 +36,8 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
     """engine ValueErrors read "field: why"; the field becomes `param`."""
+    if isinstance(exc, InvalidRequest):
+        return bad_request(str(exc), exc.field, exc.code)
     text = str(exc)
     field, sep, _ = text.partition(":")
     param = field.strip() if sep and field.strip().isidentifier() else default_param

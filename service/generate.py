@@ -14,13 +14,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.messages import EngineRequest
+from engine.core.validation import validate_api_request, validate_prompt
 from engine.frontend.output_processor import RequestState
+from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
 from service import responses
 from service.errors import APIError, bad_request, error_body, from_value_error
 from service.logs import log_event
-from service.protocol import SamplingFields, UsageInfo
+from service.protocol import ENGINE_SAMPLING_FIELDS, SamplingFields, UsageInfo
 from service.sse import event
 from service.state import AppState
 
@@ -51,46 +52,25 @@ def encode(state: AppState, text: str, param: str = "prompt", add_special_tokens
         raise bad_request(f"{param}: cannot be tokenized ({type(exc).__name__})", param) from None
 
 
-def check_prompt(state: AppState, prompt: PromptInput, max_tokens: int, param: str = "prompt") -> None:
-    ids = prompt.token_ids
-    if not ids:
-        raise bad_request(f"{param}: must contain at least one token", param)
-    vocab = state.config.model.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
-        raise bad_request(f"{param}: token ids must be in [0, {vocab})", param, "invalid_token_id")
-    limit = state.config.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens, and the prompt has "
-                          f"{len(ids)} tokens, leaving no room to generate. Please shorten the prompt.",
-                          param, "context_length_exceeded")
-    if len(ids) + max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
-                          f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
-                          f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
-                          "max_tokens", "context_length_exceeded")
-
-
-def sampling_params(state: AppState, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    kwargs: dict = {"n": req.n, "max_tokens": max_tokens, "min_tokens": req.min_tokens,
-                    "seed": req.seed, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
-                    "prompt_logprobs": prompt_logprobs,
-                    "include_stop_str_in_output": req.include_stop_str_in_output,
-                    "skip_special_tokens": req.skip_special_tokens}
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
-        value = getattr(req, name)
-        if value is not None:
-            kwargs[name] = value
-    kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    stop_ids = list(req.stop_token_ids or [])
-    if any(t >= state.config.model.vocab_size for t in stop_ids):
-        raise bad_request(f"stop_token_ids: must be in [0, {state.config.model.vocab_size})", "stop_token_ids")
-    kwargs["stop_token_ids"] = stop_ids
+def request_params(state: AppState, req: SamplingFields, prompts: list[PromptInput], *, max_tokens: int | None,
+                   logprobs: int | None, prompt_logprobs: int | None = None, param: str = "prompt") -> SamplingParams:
+    """Check `prompts` by the engine's rules and build the request's SamplingParams; any refusal
+    is a 400 naming the field. `max_tokens` None: whatever room the longest prompt leaves."""
+    config = state.config
     try:
-        return SamplingParams(**kwargs)
+        for prompt in prompts:
+            validate_prompt(config, prompt.token_ids, param)
+        longest = max(len(p.token_ids) for p in prompts)
+        if max_tokens is None:
+            max_tokens = max(1, config.max_model_len - longest)
+        fields = {name: value for name in ENGINE_SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+        if isinstance(fields.get("stop"), str):
+            fields["stop"] = [fields["stop"]]
+        params = SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        validate_api_request(config, longest, params)
     except ValueError as exc:
         raise from_value_error(exc) from None
+    return params
 
 
 class Generation:

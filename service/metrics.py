@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.messages import StepStats
@@ -24,6 +24,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 StatsSource = Callable[[], dict[int, StepStats]]
+OpsSource = Callable[[], dict[int, dict[str, str]]]  # rank -> {op: implementation}
 
 
 class EngineStatsCollector(Collector):
@@ -100,6 +101,24 @@ class EngineStatsCollector(Collector):
         return family
 
 
+class OpImplementationCollector(Collector):
+    """kvsentry_op_implementation_info{engine, op, implementation} = 1: what each rank runs."""
+
+    def __init__(self, model_name: str, implementations: OpsSource):
+        self.model_name = model_name
+        self.implementations = implementations
+
+    def collect(self) -> Iterator[Metric]:
+        family = InfoMetricFamily("kvsentry_op_implementation",
+                                  "Implementation an op runs on a DP rank: a csrc kernel, or the torch "
+                                  "reference (by design, or because the kernel is disabled or failed to build).",
+                                  labels=["model_name", "engine", "op"])
+        for rank, ops in sorted(dict(self.implementations()).items()):
+            for op, implementation in sorted(ops.items()):
+                family.add_metric([self.model_name, str(rank), op], {"implementation": implementation})
+        yield family
+
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -118,7 +137,7 @@ class ModelSeries:
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: StatsSource):
+    def __init__(self, model_name: str, stats: StatsSource, implementations: OpsSource = dict):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
@@ -152,6 +171,7 @@ class Metrics:
                                       m + ["engine"], registry=r,
                                       buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))
         r.register(EngineStatsCollector(model_name, stats))
+        r.register(OpImplementationCollector(model_name, implementations))
         n = model_name
         self.series = ModelSeries(
             self.prompt_tokens.labels(n), self.generation_tokens.labels(n), self.ttft.labels(n),

@@ -1,8 +1,9 @@
 """The OpenAI / vLLM wire format: request and response models (pydantic 2).
 
 Requests are strict (no "5" for 5, no "yes" for true, no NaN) and ignore
-unknown fields, as the OpenAI API does. Sampling fields are checked again, with
-their real limits, when the handler builds `engine.SamplingParams`.
+unknown fields, as the OpenAI API does. A sampling field takes its default and
+its bounds from `engine.SamplingParams` (`engine_field`), and reaches it under its
+own name (`ENGINE_SAMPLING_FIELDS`), so the two layers cannot disagree.
 """
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.sampling_params import LIMITS, Bounds, SamplingParams
+
 MAX_CHOICES = 128  # n x prompts per request: more is a denial of service, not a use case
+_ENGINE_DEFAULTS = SamplingParams()
+
+
+def engine_field(name: str, default: Any = ..., **constraints: Any) -> Any:
+    """A request field with SamplingParams' bounds for `name` and, unless given, its default."""
+    if default is ...:
+        default = getattr(_ENGINE_DEFAULTS, name)
+    return Field(default, **LIMITS.get(name, Bounds()).as_field(), **constraints)
 
 
 class StrictRequest(BaseModel):
@@ -41,31 +52,39 @@ class StreamOptions(StrictRequest):
 
 class SamplingFields(StrictRequest):
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: int = engine_field("n", le=MAX_CHOICES)
+    temperature: float | None = engine_field("temperature")
+    top_p: float | None = engine_field("top_p")
+    top_k: int | None = engine_field("top_k")
+    min_p: float | None = engine_field("min_p")
+    seed: int | None = engine_field("seed")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    presence_penalty: float | None = engine_field("presence_penalty")
+    frequency_penalty: float | None = engine_field("frequency_penalty")
+    repetition_penalty: float | None = engine_field("repetition_penalty")
+    ignore_eos: bool = engine_field("ignore_eos")
+    min_tokens: int = engine_field("min_tokens")
+    include_stop_str_in_output: bool = engine_field("include_stop_str_in_output")
+    skip_special_tokens: bool = engine_field("skip_special_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
 
+# The fields above that SamplingParams takes as they are: same name, same meaning. max_tokens
+# and logprobs mean something else on each endpoint, so the handlers pass those themselves.
+ENGINE_SAMPLING_FIELDS = tuple(name for name in SamplingFields.model_fields
+                               if name in SamplingParams.__struct_fields__)
+# The fields that do not change which tokens come out.
+TRANSPORT_FIELDS = frozenset({"model", "stream", "stream_options", "user"})
+
+
 # -- /v1/completions ------------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = engine_field("max_tokens")
+    logprobs: int | None = engine_field("logprobs")
     echo: bool = False
 
 
@@ -113,10 +132,10 @@ class ChatMessage(StrictRequest):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = engine_field("max_tokens", None)
+    max_completion_tokens: int | None = engine_field("max_tokens", None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = engine_field("logprobs")
     add_generation_prompt: bool = True
 
 

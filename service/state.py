@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from engine.config import EngineConfig
 from engine.messages import EngineCoreOutput, EngineRequest, Fault, StepStats
 from engine.frontend.tokenizer import Tokenizer
+from engine.ops.implementations import describe, falling_back
 from service.errors import APIError
 from service.logprobs import TokenFormatter
 from service.logs import log_event
@@ -30,6 +31,7 @@ class EngineClient(Protocol):
     last_progress: float
     num_unfinished: int
     stats: dict[int, StepStats]
+    op_implementations: dict[int, dict[str, str]]  # rank -> {op: implementation}, once the rank is ready
 
     async def start(self) -> None: ...
     def add_request(self, request: EngineRequest) -> "asyncio.Queue[EngineCoreOutput | Exception]": ...
@@ -63,7 +65,7 @@ class AppState:
         longest_piece = max((len(piece) for piece in self.tokenizer.backend.get_vocab(with_added_tokens=True)),
                             default=1)
         self.max_prompt_chars = config.max_model_len * max(1, longest_piece)
-        self.metrics = Metrics(self.model_name, lambda: self.client.stats)
+        self.metrics = Metrics(self.model_name, lambda: self.client.stats, lambda: self.client.op_implementations)
         listeners = getattr(self.client, "stats_listeners", None)
         if listeners is not None:
             listeners.append(self.metrics.observe_stats)
@@ -112,6 +114,11 @@ class AppState:
         log_event(logger, "engine_ready", load_s=round(time.monotonic() - started, 3),
                   data_parallel_size=self.config.parallel.data_parallel_size,
                   num_blocks=self.config.num_blocks, max_model_len=self.config.max_model_len)
+        for rank, implementations in sorted(self.client.op_implementations.items()):
+            # A kernel that failed to build runs as the torch reference: same results, less speed.
+            fallbacks = falling_back(implementations, self.config.device)
+            log_event(logger, "rank_ops", logging.WARNING if fallbacks else logging.INFO, rank=rank,
+                      ops=describe(implementations), fallbacks=fallbacks)
 
     async def _watch(self) -> None:
         while True:

@@ -15,19 +15,8 @@ from engine.messages import EngineCoreOutput, EngineRequest, StepStats
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.validation import validate_request
 from engine.worker.sentinel import NaNSentinel
-
-
-def validate_request(config: EngineConfig, request: EngineRequest) -> None:
-    num_prompt = len(request.prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError("prompt: must contain at least one token")
-    if num_prompt >= config.max_model_len:
-        raise ValueError(f"prompt: {num_prompt} tokens leave no room to generate within "
-                         f"max_model_len={config.max_model_len}")
-    vocab = config.model.vocab_size
-    if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-        raise ValueError(f"prompt: token ids must be in [0, {vocab})")
 
 
 class EngineCore:

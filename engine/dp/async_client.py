@@ -53,6 +53,10 @@ class AsyncEngineClient:
     def stats(self) -> dict[int, StepStats]:
         return self.state.stats
 
+    @property
+    def op_implementations(self) -> dict[int, dict[str, str]]:
+        return self.state.op_implementations
+
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, ready_timeout: float = 600.0) -> None:
         self.ctx = zmq.asyncio.Context()

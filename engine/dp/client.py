@@ -46,6 +46,7 @@ class ClientState:
         self.running = [0] * self.size
         self.rotation = itertools.count()
         self.ready_ranks: set[int] = set()
+        self.op_implementations: dict[int, dict[str, str]] = {}  # rank -> {op: implementation}
         self.last_seen = [time.monotonic()] * self.size
         self.last_progress = time.monotonic()
         self.stats: dict[int, StepStats] = {}
@@ -97,6 +98,7 @@ class ClientState:
         self.last_stats = msg.stats if isinstance(msg, EngineOutputs) else None
         if isinstance(msg, RankReady):
             self.ready_ranks.add(msg.rank)
+            self.op_implementations[msg.rank] = msg.op_implementations
             self.last_seen[msg.rank] = now
             return [], []
         if isinstance(msg, RankFailed):

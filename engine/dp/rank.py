@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
                              RankReady, Shutdown, Wake)
+from engine.ops.implementations import op_implementations
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -185,7 +186,8 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         inputs.setsockopt(zmq.LINGER, 0)
         inputs.connect(input_addr)
         # Sent on the DEALER so that, once the front end sees it, its ROUTER can route to us.
-        inputs.send(msgspec.msgpack.encode(RankReady(rank, config.num_blocks, os.getpid())))
+        ready = RankReady(rank, config.num_blocks, os.getpid(), op_implementations(config.device))
+        inputs.send(msgspec.msgpack.encode(ready))
         RankLoop(core, inputs, outputs, lockstep=size > 1 and config.model.is_moe).run()
     except BaseException as exc:  # report why, then die: the group must not hang on us
         if inputs is not None and _shutdown_pending(inputs):

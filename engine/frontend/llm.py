@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.validation import validate_request
 from engine.messages import EngineRequest
 from engine.frontend.output_processor import RequestState
 from engine.frontend.outputs import CompletionOutput, RequestOutput, logprob_dict
@@ -39,7 +40,6 @@ class LLM:
         self.close()
 
     def validate(self, request: EngineRequest) -> None:
-        from engine.core.engine_core import validate_request
         validate_request(self.config, request)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

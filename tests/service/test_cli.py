@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import subprocess
 import sys
 
 import pytest
 
+from engine.config import EngineConfig
+from engine.engine_args import ENGINE_ARGS
 from service import cli, demo, server
+from service.state import ServeSettings
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -15,9 +20,33 @@ def serve_parser() -> argparse.ArgumentParser:
     return sub.choices["serve"]
 
 
-def test_cli_and_settings_agree_on_the_body_limit():
-    from service.state import DEFAULT_MAX_BODY_BYTES
-    assert cli.DEFAULT_MAX_BODY_BYTES == DEFAULT_MAX_BODY_BYTES
+def test_every_engine_flag_defaults_to_the_configs_default(llama_path):
+    """What `serve` runs without engine flags is what EngineConfig.create does without arguments,
+    and every engine flag's default is the config's (the signature's, else the field's)."""
+    actions = {action.dest: action for action in serve_parser()._actions}
+    for arg in ENGINE_ARGS:
+        action = actions[arg.name]
+        parameter = inspect.signature(EngineConfig.create).parameters.get(arg.name)
+        expected = parameter.default if parameter is not None and parameter.default is not inspect.Parameter.empty \
+            else {f.name: f.default for f in dataclasses.fields(EngineConfig)}[arg.name]
+        assert action.default == expected and type(action.default) is type(expected), arg.option
+        assert "default" not in arg.help, f"{arg.option}: the formatter shows the default; do not restate it"
+    args = cli.build_parser().parse_args(["serve", llama_path])
+    assert EngineConfig.create(llama_path, **cli.engine_args(args)) == EngineConfig.create(llama_path)
+
+
+def test_help_shows_the_configs_defaults():
+    text = " ".join(subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], capture_output=True,
+                                   text=True, check=True).stdout.split())
+    assert f"--nan-scan-blocks-per-step NAN_SCAN_BLOCKS_PER_STEP blocks the rolling scan checks per step " \
+           f"(default: {EngineConfig.nan_scan_blocks_per_step})" in text
+    assert f"(default: {EngineConfig.max_num_seqs})" in text
+
+
+def test_every_http_flag_defaults_to_the_settings_default(captured, llama_path, monkeypatch):
+    monkeypatch.delenv("KVSENTRY_API_KEY", raising=False)
+    assert cli.main(["serve", llama_path]) == 0
+    assert captured["settings"] == ServeSettings(served_model_names=(llama_path,))
 
 
 def test_every_argument_has_help():

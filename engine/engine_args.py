@@ -1,0 +1,75 @@
+"""The engine arguments a command line may set: every `EngineConfig.create` keyword a user
+picks, with its help text, in one place.
+
+No default is written here: `EngineArg.default` reads it from create()'s signature or,
+for the keywords create() passes through, from the EngineConfig field, so `kvsentry serve
+--help` and the flags' defaults cannot drift from what the config does without them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
+
+
+def config_default(name: str) -> Any:
+    """The value EngineConfig.create uses for keyword `name` when it is not given."""
+    parameter = inspect.signature(EngineConfig.create).parameters.get(name)
+    if parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+        return parameter.default
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    if name not in fields or fields[name].default is dataclasses.MISSING:
+        raise KeyError(f"{name}: not an EngineConfig.create keyword with a default")
+    return fields[name].default
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    name: str                                  # the EngineConfig.create keyword (the flag's dest)
+    help: str                                  # what it does; front ends add the default
+    group: str = "engine"                      # the section of --help it belongs in
+    flag: str = ""                             # when not --<name with dashes>
+    type: Callable[[str], Any] | None = None   # parses the flag's value; None: the default's type
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        return config_default(self.name)
+
+
+ENGINE_ARGS = (
+    EngineArg("max_model_len", "longest prompt + completion in tokens (none given: the model's limit, "
+              f"at most {DEFAULT_MAX_MODEL_LEN_CAP})", type=int),
+    EngineArg("block_size", "tokens per KV cache block (a power of two)"),
+    EngineArg("max_num_seqs", "most requests per batch per rank"),
+    EngineArg("max_num_batched_tokens", "token budget of one step per rank; longer prompts are prefilled in chunks"),
+    EngineArg("kv_cache_memory", "KV cache budget per rank, e.g. 4GiB or 512MiB"),
+    EngineArg("num_gpu_blocks", "number of KV cache blocks per rank; overrides --kv-cache-memory", type=int),
+    EngineArg("dtype", "weights and activations dtype (auto = float32)", choices=("auto", "float32", "bfloat16")),
+    EngineArg("device", "where the ranks run", choices=("cpu", "cuda")),
+    EngineArg("enable_prefix_caching", "reuse KV blocks of identical prompt prefixes"),
+    EngineArg("seed", "seed of requests that give none"),
+    EngineArg("num_threads", "torch threads per rank (0: CPU cores / local ranks)", flag="--threads"),
+    EngineArg("data_parallel_size", "DP ranks in the whole group", group="data parallel"),
+    EngineArg("data_parallel_size_local", "DP ranks this node runs (none given: all of them)",
+              group="data parallel", type=int),
+    EngineArg("data_parallel_start_rank", "first DP rank this node runs (worker nodes of a multi-node group)",
+              group="data parallel"),
+    EngineArg("data_parallel_address", "address of the node running the front end, where ranks connect",
+              group="data parallel"),
+    EngineArg("data_parallel_rpc_port", "first of 3 consecutive TCP ports for requests, outputs and the rank "
+              "rendezvous", group="data parallel"),
+    EngineArg("nan_sentinel", "what the KV cache scan covers each step", group="NaN sentinel",
+              choices=NAN_SENTINEL_MODES),
+    EngineArg("nan_scan_blocks_per_step", "blocks the rolling scan checks per step", group="NaN sentinel"),
+    EngineArg("nan_policy", "on NaN/Inf in the cache: only count it, heal the block and fail the requests "
+              "reading it, or fail and mark the server not ready", group="NaN sentinel", choices=NAN_POLICIES),
+)
