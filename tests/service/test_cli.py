@@ -103,15 +103,33 @@ def test_flags_reach_the_engine_config(captured, llama_path):
     assert settings.log_prompts and settings.enable_fault_injection and settings.max_body_bytes == 1000
 
 
-def test_no_model_serves_the_demo_with_two_ranks(captured, tmp_path):
+def test_no_model_serves_the_real_default_model(captured):
+    from engine.gguf.default_model import DEFAULT_MODEL_NAME, default_model_path
     assert cli.main(["serve"]) == 0
+    config, settings = captured["config"], captured["settings"]
+    assert config.model.path == default_model_path() and config.model.path.endswith(".gguf")
+    assert config.model.architecture == "LlamaForCausalLM" and config.model.num_layers == 30
+    assert config.parallel.data_parallel_size == 1
+    assert settings.served_model_names == (DEFAULT_MODEL_NAME,)
+
+
+def test_demo_moe_serves_the_tiny_deepseek_with_two_ranks(captured, tmp_path, llama_path, capsys):
+    assert cli.main(["serve", "--demo", "moe"]) == 0
     config, settings = captured["config"], captured["settings"]
     assert config.parallel.data_parallel_size == 2
     assert config.model.architecture == "DeepseekV3ForCausalLM"
     assert config.model.path.startswith(str(tmp_path / "cache"))
     assert settings.served_model_names == (demo.DEFAULT_DEMO_PRESET,)
-    assert cli.main(["serve", "--data-parallel-size", "1"]) == 0
+    assert cli.main(["serve", "--demo", "moe", "--data-parallel-size", "1"]) == 0
     assert captured["config"].parallel.data_parallel_size == 1
+    with pytest.raises(SystemExit):
+        cli.main(["serve", llama_path, "--demo", "moe"])
+    assert "not both" in capsys.readouterr().err
+
+
+def test_tokenizer_flag_overrides_the_models_tokenizer(captured, llama_path, tmp_path):
+    assert cli.main(["serve", llama_path, "--tokenizer", str(tmp_path)]) == 0
+    assert captured["config"].model.tokenizer == str(tmp_path)
 
 
 def test_headless_runs_only_the_local_ranks(captured, llama_path):
