@@ -105,10 +105,25 @@ def test_nan_in_a_real_position_spreads_to_that_request_only(kvsentry_ops):
     assert not out[:2].isnan().any()
 
 
-def test_empty_batch_and_no_blocks(kvsentry_ops):
+@pytest.mark.parametrize("rows", ["full_tables", "no_rows"])
+def test_empty_batch_and_no_blocks(kvsentry_ops, rows):
+    """No request: the op writes nothing, as the reference (an empty result) does, whether it
+    is handed the tables of a bigger batch or the plan of no rows (num_read = 0)."""
     query, k, v, tables, lens, num_read = make_case()
-    out = torch.empty(0, 8, 32)
+    if rows == "no_rows":
+        plan = plan_decode_reads([], 16, torch.device("cpu"))
+        tables, lens, num_read = tables[:0], lens[:0], plan.num_read
+        assert num_read == 0
+    # Empty, inside room for the whole case's batch, so a kernel that wrote the tables' rows
+    # would show in `storage` instead of writing past it.
+    storage = torch.full((query.shape[0] + 2, 8, 32), 7.0)
+    out = storage[1:1]
+    cache_before = (k.clone(), v.clone())
     kvsentry_ops.paged_decode_attention(out, query[:0], k, v, tables, lens, None, num_read, 0.1)
+    reference = run_reference(query[:0], k, v, tables[:0], lens[:0], num_read, scale=0.1)
+    assert out.shape == reference.shape == (0, 8, 32)
+    assert torch.equal(storage, torch.full_like(storage, 7.0))
+    assert torch.equal(k, cache_before[0]) and torch.equal(v, cache_before[1])
 
 
 BAD = [
@@ -229,6 +244,7 @@ def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoi
     calls.clear()
     slow = llm.generate(prompts, params)
     assert not calls
+    assert len(fast) == len(slow) == len(prompts)
     for a, b in zip(fast, slow):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for token, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):

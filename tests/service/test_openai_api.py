@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -187,18 +188,56 @@ def test_request_id_is_echoed_and_logged(server, http):
     assert PROMPT not in server.log_text(), "prompt text is logged only with --log-prompts"
 
 
-def test_metrics(server, openai_client):
-    openai_client.completions.create(prompt=PROMPT, max_tokens=3, **greedy())
-    for name in ("kvsentry_prompt_tokens_total", "kvsentry_generation_tokens_total",
-                 "kvsentry_time_to_first_token_seconds_count", "kvsentry_e2e_request_latency_seconds_count",
-                 "kvsentry_inter_token_latency_seconds_count", "kvsentry_request_queue_time_seconds_count"):
-        assert server.metric(name, model_name=MAIN_MODEL_NAME)[0] > 0, name
-    assert server.metric("kvsentry_http_requests_total", route="/v1/completions", status="200")[0] > 0
-    assert server.metric("kvsentry_http_request_duration_seconds_count", route="/v1/completions")[0] > 0
-    assert server.metric("kvsentry_request_success_total", finished_reason="length")[0] > 0
-    assert server.metric("kvsentry_kv_cache_usage_perc", model_name=MAIN_MODEL_NAME, engine="0")
-    assert server.metric("kvsentry_num_requests_running", engine="0") is not None
-    assert server.metric("kvsentry_num_requests_waiting", engine="0") is not None
+def metric_totals(server, series: dict[str, dict[str, str]]) -> dict[str, float]:
+    return {name: sum(server.metric(name, **labels)) for name, labels in series.items()}
+
+
+def test_request_metrics_count_one_completion(server, openai_client):
+    model = {"model_name": MAIN_MODEL_NAME}
+    series = {
+        "kvsentry_prompt_tokens_total": model, "kvsentry_generation_tokens_total": model,
+        "kvsentry_time_to_first_token_seconds_count": model, "kvsentry_e2e_request_latency_seconds_count": model,
+        "kvsentry_inter_token_latency_seconds_count": model, "kvsentry_request_queue_time_seconds_count": model,
+        "kvsentry_request_success_total": {**model, "finished_reason": "length"},
+        "kvsentry_http_requests_total": {**model, "route": "/v1/completions", "status": "200"},
+        "kvsentry_http_request_duration_seconds_count": {**model, "route": "/v1/completions"},
+    }
+    server.wait_idle()
+    before = metric_totals(server, series)
+    out = openai_client.completions.create(prompt=PROMPT, max_tokens=3, **greedy(extra_body={"ignore_eos": True}))
+    assert out.usage.prompt_tokens > 0 and out.usage.completion_tokens == 3
+    expected = {name: 1.0 for name in series}
+    expected |= {"kvsentry_prompt_tokens_total": out.usage.prompt_tokens, "kvsentry_generation_tokens_total": 3,
+                 "kvsentry_inter_token_latency_seconds_count": 2}  # one gap between each two of the 3 tokens
+    # The HTTP series are counted after the response went out: give them a moment.
+    deadline = time.monotonic() + 5
+    while (added := {k: v - before[k] for k, v in metric_totals(server, series).items()}) != expected:
+        assert time.monotonic() < deadline, f"metric increments {added}, expected {expected}"
+        time.sleep(0.05)
+
+
+def test_rank_gauges_follow_a_running_request(server, http):
+    rank = {"model_name": MAIN_MODEL_NAME, "engine": "0"}
+
+    def gauges() -> tuple[list[float], list[float], list[float]]:
+        return tuple(server.metric(name, **rank) for name in (
+            "kvsentry_num_requests_running", "kvsentry_num_requests_waiting", "kvsentry_kv_cache_usage_perc"))
+
+    server.wait_idle()
+    assert gauges() == ([0.0], [0.0], [0.0])
+    body = {"model": MAIN_MODEL_NAME, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = (line for line in response.iter_lines() if line)  # kept: closing it hangs up
+        assert next(events).startswith("data: {")
+        deadline = time.monotonic() + 5
+        while (running := gauges())[0] != [1.0]:
+            assert time.monotonic() < deadline, f"running, waiting, kv usage: {running}"
+            time.sleep(0.05)
+        _, waiting, usage = running
+        assert waiting == [0.0] and len(usage) == 1 and 0.0 < usage[0] <= 1.0, running
+    server.wait_idle()  # hanging up aborted the request
+    assert gauges() == ([0.0], [0.0], [0.0])
 
 
 def test_health_and_ready(server):
@@ -228,6 +267,7 @@ def test_stop_strings_with_n_stop_each_sample_upstream(server, openai_client):
     stops = [" ", "e", "a"]
     out = openai_client.completions.create(model=MAIN_MODEL_NAME, prompt=PROMPT, n=2, seed=11, max_tokens=3000,
                                            stop=stops, extra_body={"ignore_eos": True})
+    assert len(out.choices) == 2
     for choice in out.choices:
         assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] in stops
         assert not any(s in choice.text for s in stops)
