@@ -4,6 +4,8 @@ permutation, metadata -> config, and every architecture end to end (a checkpoint
 the way llama.cpp converts it serves exactly the tokens and log-probs of the checkpoint)."""
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -245,3 +247,19 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "text.gguf").write_text("not a gguf")
     with pytest.raises(ValueError, match="not a GGUF file"):
         hf_config_from_gguf(read_gguf(tmp_path / "text.gguf"))
+
+
+def test_load_logs_its_time_and_draws_a_bar_only_on_a_terminal(checkpoint, tmp_path, caplog, capsys, monkeypatch):
+    import logging
+    import sys
+    from engine.worker.loader import load_model
+    directory = checkpoint("tiny-llama")
+    config = EngineConfig.create(str(write_gguf(directory, tmp_path / "llama.gguf")), tokenizer=directory,
+                                 kv_cache_memory="8MiB")
+    with caplog.at_level(logging.INFO, logger="engine.worker.loader"):
+        load_model(config)
+    assert re.search(r"loaded llama\.gguf \(\d+ tensors, float32\) in [\d.]+ s on DP rank 0", caplog.text)
+    assert "dequantizing" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    load_model(config)
+    assert "dequantizing llama.gguf" in capsys.readouterr().err
