@@ -30,13 +30,27 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre -> the splits llama.cpp applies before byte-level BPE, in order.
+_DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the splits llama.cpp (llama-vocab.cpp) applies before byte-level BPE,
+# in order, in the spelling of the model's own tokenizer.json.
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (r"\p{N}", _GPT2_SPLIT) for name in
        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")},
-    **{name: (_LLAMA3_SPLIT,) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")},
-    **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
-    **{name: (_GPT2_SPLIT,) for name in ("gpt-2", "gpt2", "default", "phi-2", "jina-es", "jina-de")},
+    **{name: (_GPT2_SPLIT,) for name in ("gpt-2", "mpt", "olmo", "jais", "trillion")},
+    **{name: (_LLAMA3_SPLIT,) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
+                                                "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe")},
+    **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan")},
+    **{name: _DEEPSEEK3_SPLITS for name in ("deepseek-v3", "hunyuan-dense")},
+    **{name: (_GPT4O_SPLIT,) for name in ("gpt-4o", "minimax-m2")},
+    "tekken": (_TEKKEN_SPLIT,),
 }
 
 
