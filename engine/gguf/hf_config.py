@@ -16,16 +16,19 @@ from engine.gguf.reader import GGUFFile
 F32_TYPE = 0  # GGMLQuantizationType.F32
 
 
+def _uniform(gguf: GGUFFile, key: str, default: Any = None) -> Any:
+    """`{arch}.{key}`; llama.cpp writes a per-layer list for hybrid models, one value here."""
+    value = gguf.arch_get(key, default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"{gguf.path}: per-layer {gguf.architecture}.{key} {value} is not supported")
+        value = value[0]
+    return value
+
+
 def _common(gguf: GGUFFile) -> dict[str, Any]:
     hidden = gguf.arch_get("embedding_length")
-    num_heads = gguf.arch_get("attention.head_count")
-    num_kv_heads = gguf.arch_get("attention.head_count_kv", num_heads)
-    for key, value in (("attention.head_count", num_heads), ("attention.head_count_kv", num_kv_heads)):
-        if isinstance(value, list):  # per-layer counts (hybrid models)
-            if len(set(value)) != 1:
-                raise ValueError(f"{gguf.path}: per-layer {key} {value} is not supported")
-    num_heads = num_heads[0] if isinstance(num_heads, list) else num_heads
-    num_kv_heads = num_kv_heads[0] if isinstance(num_kv_heads, list) else num_kv_heads
+    num_heads = _uniform(gguf, "attention.head_count")
     embed = gguf.tensors.get("token_embd.weight")
     if hidden is None or num_heads is None or embed is None:
         raise ValueError(f"{gguf.path}: GGUF lacks {gguf.architecture}.embedding_length, "
@@ -34,10 +37,10 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
-        "intermediate_size": gguf.arch_get("feed_forward_length", 0),
+        "intermediate_size": _uniform(gguf, "feed_forward_length", 0),
         "num_hidden_layers": gguf.arch_get("block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
+        "num_key_value_heads": _uniform(gguf, "attention.head_count_kv", num_heads),
         "head_dim": head_dim,
         "rms_norm_eps": gguf.arch_get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": gguf.arch_get("rope.freq_base", 10000.0),
@@ -46,8 +49,6 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "hidden_act": "silu",
     }
-    if isinstance(hf["intermediate_size"], list):
-        raise ValueError(f"{gguf.path}: per-layer feed_forward_length is not supported")
     rope_scaling = _rope_scaling(gguf)
     if rope_scaling:
         hf["rope_scaling"] = rope_scaling
@@ -59,8 +60,9 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
 
 
 def _rope_scaling(gguf: GGUFFile) -> dict[str, Any] | None:
-    kind = gguf.arch_get("rope.scaling.type", "none")
-    factor = gguf.arch_get("rope.scaling.factor", 1.0)
+    linear = gguf.arch_get("rope.scale_linear")  # the older spelling of a linear factor
+    kind = gguf.arch_get("rope.scaling.type", "linear" if linear else "none")
+    factor = gguf.arch_get("rope.scaling.factor", linear or 1.0)
     original = gguf.arch_get("rope.scaling.original_context_length")
     if "rope_freqs.weight" in gguf.tensors:
         return _llama3_rope_scaling(gguf)
