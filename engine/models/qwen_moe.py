@@ -5,8 +5,7 @@ dense layers use the ordinary `intermediate_size` MLP.
 """
 from __future__ import annotations
 
-
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.models.expert_parallel import ExpertParallel
 from engine.models.layers import SiluMLP
 from engine.models.llama import DecoderLayer
@@ -14,10 +13,12 @@ from engine.models.moe import (GatedSharedExpertMoeBlock, MoECausalLM, SoftmaxTo
                                SparseMoeBlock, StackedExperts)
 
 
-def is_sparse_layer(hf: dict, layer_index: int) -> bool:
-    return (layer_index not in (hf.get("mlp_only_layers") or [])
-            and hf.get("num_experts", 0) > 0
-            and (layer_index + 1) % hf.get("decoder_sparse_step", 1) == 0)
+def is_sparse_layer(mc: ModelConfig, layer_index: int) -> bool:
+    """transformers' rule. The expert count comes from ModelConfig, which reads every alias:
+    transformers 5 writes Qwen3-MoE's as `num_local_experts`, older files as `num_experts`."""
+    return (layer_index not in (mc.get("mlp_only_layers") or [])
+            and mc.num_experts > 0
+            and (layer_index + 1) % (mc.get("decoder_sparse_step") or 1) == 0)
 
 
 def make_qwen_moe_layer(config: EngineConfig, layer_index: int, ep: ExpertParallel) -> DecoderLayer:
@@ -26,7 +27,7 @@ def make_qwen_moe_layer(config: EngineConfig, layer_index: int, ep: ExpertParall
         raise ValueError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
     if hf.get("use_sliding_window", False):
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
-    if is_sparse_layer(hf, layer_index):
+    if is_sparse_layer(mc, layer_index):
         gate = SoftmaxTopKRouter(mc.hidden_size, mc.num_experts, hf["num_experts_per_tok"],
                                  norm_topk_prob=bool(hf.get("norm_topk_prob", False)), round_to_model_dtype=True)
         experts = StackedExperts(mc.hidden_size, hf["moe_intermediate_size"], ep.expert_range(mc.num_experts))
