@@ -24,6 +24,11 @@ class Attention(nn.Module):
         arch = mc.architecture
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        layer_types, window = hf.get("layer_types") or [], hf.get("sliding_window")
+        if (layer_index < len(layer_types) and layer_types[layer_index] == "sliding_attention"
+                and window and window < config.max_model_len):
+            raise ValueError(f"sliding_window={window} (layer {layer_index}) is not supported; "
+                             f"set max_model_len <= {window}")
         if arch == "Qwen2MoeForCausalLM":
             bias = bool(hf.get("qkv_bias", True))
         else:
@@ -73,7 +78,11 @@ class DecoderLayer(nn.Module):
         hf = config.model.hf_config
         eps = hf.get("rms_norm_eps", 1e-6)
         self.self_attn = Attention(config, layer_index)
-        self.mlp = mlp if mlp is not None else SiluMLP(config.model.hidden_size, hf["intermediate_size"])
+        if mlp is None:  # Llama's config may give the MLP biases (mlp_bias); Qwen's never has them
+            if hf.get("hidden_act", "silu") != "silu":
+                raise ValueError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+            mlp = SiluMLP(config.model.hidden_size, hf["intermediate_size"], bias=bool(hf.get("mlp_bias", False)))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.model.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.model.hidden_size, eps)
 
