@@ -157,6 +157,10 @@ class CausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         return {n for n in self.state_dict() if self.wants_weight(n)}
 
+    def missing_weights(self, loaded: set[str]) -> set[str]:
+        """Expected weights that the checkpoint names `loaded` did not fill."""
+        return self.expected_weights() - loaded
+
     def _params(self) -> dict[str, torch.Tensor]:
         if not hasattr(self, "_param_cache"):
             self._param_cache = dict(self.named_parameters(remove_duplicate=False))

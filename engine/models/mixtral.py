@@ -1,7 +1,8 @@
 """Mixtral: Llama attention + a sparse MoE block (softmax top-k, renormalised), no shared expert.
 
-Checkpoints name the block `block_sparse_moe` and the expert projections w1 (gate),
-w3 (up) and w2 (down); the modules here carry the same names.
+Hub checkpoints name the block `block_sparse_moe` and the expert projections w1 (gate),
+w3 (up) and w2 (down); the modules here carry the same names. transformers 5's own layout
+(`mlp`, fused experts) is mapped onto them by MoECausalLM.
 """
 from __future__ import annotations
 
@@ -38,4 +39,5 @@ class MixtralDecoderLayer(DecoderLayer):
 
 
 def mixtral_for_causal_lm(config: EngineConfig) -> MoECausalLM:
-    return MoECausalLM(config, MixtralDecoderLayer)
+    # transformers 5 names the block `mlp` in memory and in checkpoints saved in that layout.
+    return MoECausalLM(config, MixtralDecoderLayer, aliases={".mlp.": ".block_sparse_moe."})

@@ -136,7 +136,9 @@ def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -
 class StackedExperts(nn.Module):
     """This rank's routed experts as two stacked tensors, HF's fused layout:
     gate_up_proj [num_local, 2 * intermediate, hidden] (gate rows first), down_proj [num_local, hidden, intermediate].
-    Checkpoints store them per expert; `checkpoint_targets` says where each one goes.
+    Hub checkpoints store them per expert (`checkpoint_targets` says where each one goes);
+    transformers 5 can also save its in-memory layout, one all-experts tensor per projection
+    named like the stacked parameter (`fused_checkpoint_names`, `load_fused`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, owned: range,
@@ -167,6 +169,23 @@ class StackedExperts(nn.Module):
             targets[base + up + ".weight"] = lambda i=local: self.gate_up_proj[i, inter:]
             targets[base + down + ".weight"] = lambda i=local: self.down_proj[i]
         return targets
+
+    def fused_checkpoint_names(self, prefix: str) -> dict[str, tuple[str, ...]]:
+        """Fused checkpoint name -> the per-expert names it stands for (local experts only)."""
+        gate, up, down = self.names
+        local = [f"{prefix}.{expert}." for expert in self.owned]
+        return {f"{prefix}.gate_up_proj": tuple(base + name + ".weight" for base in local for name in (gate, up)),
+                f"{prefix}.down_proj": tuple(base + down + ".weight" for base in local)}
+
+    def load_fused(self, projection: str, tensor: torch.Tensor) -> None:
+        """Fill `gate_up_proj` or `down_proj` from a [num_experts, ...] tensor: this rank's experts."""
+        param = getattr(self, projection)
+        mine = tensor[self.owned.start:self.owned.stop]
+        if mine.shape != param.shape:
+            raise ValueError(f"fused experts tensor {projection!r} of shape {tuple(tensor.shape)} does not "
+                             f"hold experts {self.owned.start}..{self.owned.stop - 1} of shape {tuple(param.shape[1:])}")
+        with torch.no_grad():
+            param.copy_(mine)
 
     def forward(self, hidden: torch.Tensor,       # [N, hidden]
                 topk_ids: torch.Tensor,           # [N, top_k] global expert ids
@@ -250,34 +269,55 @@ class GatedSharedExpertMoeBlock(SparseMoeBlock):
 
 class MoECausalLM(CausalLM):
     """CausalLM whose experts are stacked and sharded: checkpoint names stay per expert,
-    and a rank neither wants nor expects the experts other ranks own."""
+    and a rank neither wants nor expects the experts other ranks own. Checkpoints in
+    transformers 5's own layout (fused experts, renamed modules) load too: `aliases` maps
+    its module names to this model's, as transformers' conversion mapping does in reverse."""
 
-    def __init__(self, config: EngineConfig, make_layer: Callable[[EngineConfig, int, ExpertParallel], nn.Module]):
+    def __init__(self, config: EngineConfig, make_layer: Callable[[EngineConfig, int, ExpertParallel], nn.Module],
+                 aliases: dict[str, str] | None = None):
         ep = ExpertParallel.from_config(config)
         super().__init__(config, lambda cfg, i: make_layer(cfg, i, ep))
         self.ep = ep
+        self._aliases = dict(aliases or {})
         self._expert_targets: dict[str, Callable[[], torch.Tensor]] = {}
-        self._stacked_names: set[str] = set()
+        # fused checkpoint name (= the stacked parameter's name) -> (its module, the per-expert names it covers)
+        self._fused: dict[str, tuple[StackedExperts, tuple[str, ...]]] = {}
         for name, module in self.named_modules():
             if isinstance(module, StackedExperts):
                 self._expert_targets.update(module.checkpoint_targets(name))
-                self._stacked_names.update({f"{name}.gate_up_proj", f"{name}.down_proj"})
+                for fused, covered in module.fused_checkpoint_names(name).items():
+                    self._fused[fused] = (module, covered)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         with self.ep.step(input_ids.shape[0]):
             return self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
 
+    def _model_name(self, name: str) -> str:
+        for alias, own in self._aliases.items():
+            name = name.replace(alias, own)
+        return name
+
     def wants_weight(self, name: str) -> bool:
+        name = self._model_name(name)
         layer = _LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= self.config.model.num_layers:
             return False  # e.g. DeepSeek-V3's multi-token-prediction layer
         if name.endswith("rotary_emb.inv_freq"):
             return False  # derived, stored by some old checkpoints
+        if name in self._fused:
+            return True  # every rank reads all experts and keeps its own
         if _EXPERT_NAME.search(name):
             return name in self._expert_targets
         return super().wants_weight(name)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        name = self._model_name(name)
+        if name in self._fused:
+            if tensor.shape[0] != self.config.model.num_experts:
+                raise ValueError(f"checkpoint tensor {name!r} holds {tensor.shape[0]} experts, "
+                                 f"the config says {self.config.model.num_experts}")
+            self._fused[name][0].load_fused(name.rsplit(".", 1)[1], tensor)
+            return
         target = self._expert_targets.get(name)
         if target is None:
             if _EXPERT_NAME.search(name):
@@ -292,5 +332,11 @@ class MoECausalLM(CausalLM):
             view.copy_(tensor)
 
     def expected_weights(self) -> set[str]:
-        dense = {n for n in self.state_dict() if n not in self._stacked_names and self.wants_weight(n)}
+        dense = {n for n in self.state_dict() if n not in self._fused and self.wants_weight(n)}
         return dense | set(self._expert_targets)
+
+    def missing_weights(self, loaded: set[str]) -> set[str]:
+        covered: set[str] = set()
+        for name in map(self._model_name, loaded):
+            covered.update(self._fused[name][1] if name in self._fused else (name,))
+        return self.expected_weights() - covered

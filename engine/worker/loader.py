@@ -61,7 +61,7 @@ def load_model(config: EngineConfig) -> nn.Module:
     for name, tensor in weights:
         model.load_weight(name, tensor)
         loaded.add(name)
-    missing = model.expected_weights() - loaded
+    missing = model.missing_weights(loaded)  # names as the checkpoint spells them
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
     model = model.to(config.model.dtype).eval()
