@@ -47,6 +47,7 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
         "max_position_embeddings": gguf.arch_get("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in gguf.tensors,
         "hidden_act": "silu",
     }
     rope_scaling = _rope_scaling(gguf)
