@@ -116,6 +116,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 CASES = {
     "llama": ("tiny-llama", {}),
     "llama-tied": ("tiny-llama", {"tie_word_embeddings": True}),
+    "llama-biases": ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),
     "llama-linear-rope": ("tiny-llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-llama3-rope": ("tiny-llama", {"rope_scaling": LLAMA3_ROPE, "max_position_embeddings": 16384}),
     "qwen2": ("tiny-qwen2", {}),
