@@ -88,8 +88,10 @@ class _Cursor:
 
 @functools.lru_cache(maxsize=4)
 def _read_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    if size < 24:
+        raise ValueError(f"{path} is not a GGUF file (too short)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        if size < 24 or buffer[:4] != GGUF_MAGIC:
+        if buffer[:4] != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
         version, tensor_count, kv_count = struct.unpack_from("<IQQ", buffer, 4)
         if version not in (2, 3):
