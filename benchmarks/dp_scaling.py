@@ -1,5 +1,9 @@
 """Data-parallel scaling on an MoE model, and what a dummy batch costs.
 
+README row (defaults: 64 x 64 prompt x 32 new tokens, 1 torch thread per rank):
+
+    .venv/bin/python benchmarks/dp_scaling.py
+
 1. The same greedy workload (default 64 requests x 64 prompt tokens x 32 new tokens) at DP=1
    (in-process engine) and DP=2 (two rank processes, expert parallel over gloo, lockstep
    waves), plus DP=2 with every request pinned to rank 0 (rank 1 only steps dummy batches):
@@ -10,7 +14,7 @@
     .venv/bin/python benchmarks/dp_scaling.py [--model DIR | --preset tiny-deepseek-v3] [--small]
 
 Without --model it writes a DeepSeek-V3-style MoE checkpoint (the tiny-deepseek-v3 preset,
-widened unless --small). Outputs of every run are checked to be token-identical.
+widened unless --small). Every run's greedy tokens must equal DP=1's: the run exits 1 when not.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import tempfile
 import time
 
 import torch
+
+from common import require_identical
 
 BENCH_OVERRIDES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, n_routed_experts=16,
                        moe_intermediate_size=128, num_attention_heads=8, vocab_size=4096)
@@ -169,6 +175,10 @@ def main() -> None:
     print(f"{'B':>4}{'padded':>8}{'decode step ms':>16}{'dummy step ms':>15}{'dummy/decode':>14}")
     for b, (padded, real, dummy) in costs.items():
         print(f"{b:>4}{padded:>8}{real * 1e3:>16.3f}{dummy * 1e3:>15.3f}{dummy / real:>14.2f}")
+    print()
+    for name, (_, tokens, _) in runs.items():
+        if name != "DP=1":
+            print(require_identical("greedy tokens", tokens, reference, (name, "DP=1")))
 
 
 if __name__ == "__main__":

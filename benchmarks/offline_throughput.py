@@ -1,7 +1,16 @@
-"""Offline generation throughput: kvsentry's LLM vs transformers `generate`, same checkpoint,
-same prompts, one run. 32 requests x 128-token prompts x 64 new tokens, greedy.
+"""Offline generation throughput: kvsentry's LLM vs transformers `generate`.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--model DIR] [--threads N]
+README rows (1 thread, then 2 threads):
+
+    .venv/bin/python benchmarks/offline_throughput.py --threads 1
+    .venv/bin/python benchmarks/offline_throughput.py --threads 2
+
+Same checkpoint (bench-llama unless --model), same prompts, alternating timed runs in one
+process; defaults: 32 requests x 128-token prompts x 64 new tokens, 3 timed runs of each
+engine, greedy, float32. The run exits 1 when any request's tokens differ between the two.
+Every timed run gets a fresh prompt set (run k: the same set k for both engines, drawn from
+its own seed), so kvsentry's prefix cache, which stays on, never serves a prompt it has
+seen; the cached-token count of the timed runs is printed, and must be 0.
 """
 from __future__ import annotations
 
@@ -10,7 +19,9 @@ import time
 
 import torch
 
-from common import bench_checkpoint, random_prompts, workload_parser
+from common import bench_checkpoint, random_prompts, require_identical, workload_parser
+
+WARMUP_SEED = 1_000_000  # apart from the timed runs' seeds 1..repeats
 
 
 def main() -> None:
@@ -20,7 +31,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint(args.model)
-    prompts = random_prompts(args.requests, args.prompt_len)
     generated = args.requests * args.new_tokens
 
     from engine import LLM, SamplingParams
@@ -28,44 +38,57 @@ def main() -> None:
     llm = LLM(path, max_model_len=1024, kv_cache_memory="1GiB", num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    batch = torch.tensor(prompts)  # equal lengths: no padding needed
 
-    def run_ours() -> list:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    def run_ours(prompts: list[list[int]]) -> tuple[list, int]:
+        outputs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outputs], sum(o.num_cached_tokens for o in outputs)
 
-    def run_theirs() -> list:
-        with torch.inference_mode():
-            out = model.generate(batch, max_new_tokens=args.new_tokens, do_sample=False,
+    def run_theirs(prompts: list[list[int]]) -> list:
+        with torch.inference_mode():  # equal lengths: no padding needed
+            out = model.generate(torch.tensor(prompts), max_new_tokens=args.new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         return out[:, args.prompt_len:].tolist()
 
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Warm-up at the timed shapes (the whole batch's prefill, then decode steps), on prompts of its own.
+    warm = random_prompts(args.requests, args.prompt_len, seed=WARMUP_SEED)
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     with torch.inference_mode():
-        model.generate(batch[:2], max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate(torch.tensor(warm), max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     # Alternate the two engines, so a noisy neighbour on a shared machine hits both alike.
     times: dict[str, list[float]] = {"ours": [], "theirs": []}
-    for _ in range(args.repeats):
-        for name, fn in (("ours", run_ours), ("theirs", run_theirs)):
-            start = time.perf_counter()
-            tokens = fn()
-            times[name].append(time.perf_counter() - start)
-            if name == "ours":
-                ours_tokens = tokens
-                assert sum(len(t) for t in tokens) == generated
-            else:
-                ref_tokens = tokens
-    same = sum(a == b for a, b in zip(ours_tokens, ref_tokens))
+    ours_tokens, ref_tokens, labels = [], [], []
+    cached_tokens = 0
+    for run in range(args.repeats):
+        prompts = random_prompts(args.requests, args.prompt_len, seed=run + 1)
+        start = time.perf_counter()
+        tokens, cached = run_ours(prompts)
+        times["ours"].append(time.perf_counter() - start)
+        assert sum(len(t) for t in tokens) == generated
+        start = time.perf_counter()
+        reference = run_theirs(prompts)
+        times["theirs"].append(time.perf_counter() - start)
+        ours_tokens += tokens
+        ref_tokens += reference
+        labels += [f"run {run + 1} request {i}" for i in range(args.requests)]
+        cached_tokens += cached
 
     print(f"workload: {args.requests} requests x {args.prompt_len} prompt tokens x {args.new_tokens} "
           f"new tokens, greedy, float32, {args.threads} threads, {args.repeats} alternating runs, model {path}")
+    print(f"prompts: a fresh set per timed run (the same set for both engines in a run); prefix caching "
+          f"on, prefix-cache hits in the timed runs: {cached_tokens} tokens")
     print(f"{'engine':<28}{'median s':>10}{'best s':>10}{'gen tok/s (median)':>20}")
     for label, name in (("kvsentry LLM.generate", "ours"), ("transformers generate", "theirs")):
         med, best = statistics.median(times[name]), min(times[name])
-        print(f"{label:<28}{med:>10.2f}{best:>10.2f}{generated / med:>20.1f}")
+        runs = " ".join(f"{t:.2f}" for t in times[name])
+        print(f"{label:<28}{med:>10.2f}{best:>10.2f}{generated / med:>20.1f}   runs: {runs}")
     ratio = statistics.median(times["theirs"]) / statistics.median(times["ours"])
     best_ratio = min(times["theirs"]) / min(times["ours"])
-    print(f"ratio kvsentry / transformers: {ratio:.2f}x median, {best_ratio:.2f}x best   "
-          f"(greedy outputs identical for {same}/{args.requests} requests)")
+    print(f"ratio kvsentry / transformers: {ratio:.2f}x median, {best_ratio:.2f}x best")
+    print(require_identical("greedy tokens", ours_tokens, ref_tokens, ("kvsentry", "transformers"), labels))
+    if cached_tokens:
+        raise SystemExit(f"FAIL: {cached_tokens} prompt tokens came from the prefix cache; "
+                         f"the timed runs were meant to be all fresh prefills")
+
 
 if __name__ == "__main__":
     main()

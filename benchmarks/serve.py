@@ -1,27 +1,33 @@
 """HTTP load generator for any OpenAI-compatible server: output tokens/s, TTFT and ITL.
 
-Streams greedy, ignore_eos completions of token-id prompts (exact lengths, the same bytes
-for every server) at each concurrency level, for a fixed and a mixed prompt-length workload:
+README rows (fixed-128 and mixed 16..512 at concurrency 1/8/32/64, 1 compute thread each):
 
-    # against a running server
-    .venv/bin/python benchmarks/serve.py --url http://127.0.0.1:8000
-    # start kvsentry, then vLLM (/work/shared/peers/vllm-cpu.sh), on the same checkpoint; print the ratios
     .venv/bin/python benchmarks/serve.py --start-kvsentry bench-llama --start-vllm bench-llama
 
+Streams greedy, ignore_eos completions of token-id prompts (exact lengths, the same bytes
+for every server) at each concurrency level, for a fixed and a mixed prompt-length workload.
+With both --start-* flags the two servers alternate level by level, each alone on the
+machine: for every level one is started, warmed up, measured and stopped (with all its
+processes) before the other starts, and the one that goes first alternates between levels.
+Both get --threads compute threads (kvsentry `--threads`, vLLM's OpenMP threads bound to
+cores 0..N-1); each row shows the CPU cores the server's processes used and how many of its
+threads were busy (>= half the level's wall time). The completions of the two servers, greedy
+in float32 on the same checkpoint, must be identical: the run exits 1 when they differ.
+
+    # against a running server (no comparison)
+    .venv/bin/python benchmarks/serve.py --url http://127.0.0.1:8000
+
 MODEL for --start-* is a checkpoint directory or a preset name of service.demo.checkpoint
-(written once into the kvsentry cache dir). ITL is each request's mean time between tokens
-after the first, (t_last - t_first) / (tokens - 1); TTFT is the time to the first streamed token.
+(written once into the kvsentry cache dir); vLLM runs from /work/shared/peers/vllm-cpu.sh.
+ITL is each request's mean time between tokens after the first, (t_last - t_first) /
+(tokens - 1); TTFT is the time to the first streamed token.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,8 +35,15 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_SCRIPT = Path("/work/shared/peers/vllm-cpu.sh")
+from common import require_identical
+from servers import ROOT, KvsentryServer, VllmServer, resolve_model, thread_cpu_seconds
+
+sys.path.insert(0, str(ROOT))
+from engine import envs  # noqa: E402
+
+WARMUP_SEED = 7_777_777  # offsets a level's seed: warm-up prompts are never the measured ones
+WARMUP_TOKENS = 8
+BUSY_SHARE = 0.5  # a thread busy for at least this share of a level's wall time counts as a compute thread
 
 
 @dataclass
@@ -39,11 +52,27 @@ class Workload:
     prompt_lens: list[int]  # one per request slot, cycled
 
 
+@dataclass(frozen=True)
+class Level:
+    index: int
+    workload: Workload
+    concurrency: int
+    requests: int
+    seed: int  # fresh prompts per level, the same for every server
+
+    def prompts(self, token_range: tuple[int, int]) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        lens = self.workload.prompt_lens
+        return [[rng.randrange(*token_range) for _ in range(lens[i % len(lens)])] for i in range(self.requests)]
+
+
 @dataclass
 class RequestResult:
     ttft: float
     itl: float | None
     output_tokens: int
+    text: str
+    token_ids: list[int] | None  # where the server sends them (vLLM's return_token_ids)
 
 
 @dataclass
@@ -56,7 +85,10 @@ class RunResult:
     output_tokens: int
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    outputs: list[RequestResult | None] = field(default_factory=list)  # per prompt; None where it failed
     errors: int = 0
+    cpu_cores: float | None = None  # CPU seconds of the server's processes / wall seconds
+    busy_threads: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,7 +99,9 @@ class RunResult:
                 "requests": self.requests, "errors": self.errors, "seconds": round(self.seconds, 3),
                 "output_tok_s": round(self.tokens_per_second, 1),
                 "ttft_p50_ms": _ms(percentile(self.ttft, 50)), "ttft_p99_ms": _ms(percentile(self.ttft, 99)),
-                "itl_p50_ms": _ms(percentile(self.itl, 50)), "itl_p99_ms": _ms(percentile(self.itl, 99))}
+                "itl_p50_ms": _ms(percentile(self.itl, 50)), "itl_p99_ms": _ms(percentile(self.itl, 99)),
+                "cpu_cores": None if self.cpu_cores is None else round(self.cpu_cores, 2),
+                "busy_threads": self.busy_threads}
 
 
 def _ms(value: float | None) -> float | None:
@@ -87,10 +121,12 @@ def percentile(values: list[float], q: float) -> float | None:
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                       output_len: int, headers: dict) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     start = time.perf_counter()
     first = last = None
     tokens = 0
+    text, token_ids = [], None
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
@@ -104,29 +140,34 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 now = time.perf_counter()
                 first = first or now
                 last = now
+                choice = event["choices"][0]
+                text.append(choice.get("text") or "")
+                if choice.get("token_ids") is not None:
+                    token_ids = (token_ids or []) + choice["token_ids"]
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if first is None:
         raise RuntimeError("no tokens streamed")
     itl = (last - first) / (tokens - 1) if tokens > 1 else None
-    return RequestResult(first - start, itl, tokens)
+    return RequestResult(first - start, itl, tokens, "".join(text), token_ids)
 
 
-async def run_level(url: str, model: str, server: str, workload: Workload, concurrency: int, requests: int,
-                    output_len: int, token_range: tuple[int, int], headers: dict, seed: int) -> RunResult:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(*token_range) for _ in range(workload.prompt_lens[i % len(workload.prompt_lens)])]
-               for i in range(requests)]
+async def run_level(url: str, model: str, server: str, level: Level, output_len: int,
+                    token_range: tuple[int, int], headers: dict, pid: int | None = None) -> RunResult:
+    """Send the level's prompts from `level.concurrency` clients; with `pid`, also measure the CPU
+    its process tree used."""
+    prompts = level.prompts(token_range)
     queue: asyncio.Queue = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    result = RunResult(server, workload.name, concurrency, requests, 0.0, 0)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    for item in enumerate(prompts):
+        queue.put_nowait(item)
+    result = RunResult(server, level.workload.name, level.concurrency, level.requests, 0.0, 0,
+                       outputs=[None] * len(prompts))
+    limits = httpx.Limits(max_connections=level.concurrency + 4, max_keepalive_connections=level.concurrency + 4)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():
-                prompt = queue.get_nowait()
+                index, prompt = queue.get_nowait()
                 try:
                     r = await one_request(client, url, model, prompt, output_len, headers)
                 except Exception as exc:  # count and go on: a benchmark reports, it does not crash
@@ -137,127 +178,55 @@ async def run_level(url: str, model: str, server: str, workload: Workload, concu
                 if r.itl is not None:
                     result.itl.append(r.itl)
                 result.output_tokens += r.output_tokens
+                result.outputs[index] = r
 
+        cpu_before = thread_cpu_seconds(pid) if pid else {}
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(level.concurrency)))
         result.seconds = time.perf_counter() - start
+    if pid:
+        used = [seconds - cpu_before.get(tid, 0.0) for tid, seconds in thread_cpu_seconds(pid).items()]
+        result.cpu_cores = sum(used) / result.seconds
+        result.busy_threads = sum(u >= BUSY_SHARE * result.seconds for u in used)
     return result
 
 
-def workloads(args: argparse.Namespace) -> list[Workload]:
+def levels(args: argparse.Namespace) -> list[Level]:
     rng = random.Random(args.seed)
     low, high = args.mixed_range
-    return [Workload(f"fixed-{args.input_len}", [args.input_len]),
-            Workload(f"mixed-{low}..{high}", [rng.randrange(low, high + 1) for _ in range(256)])]
+    workloads = [Workload(f"fixed-{args.input_len}", [args.input_len]),
+                 Workload(f"mixed-{low}..{high}", [rng.randrange(low, high + 1) for _ in range(256)])]
+    out = []
+    for w, workload in enumerate(workloads):
+        for concurrency in args.concurrency:
+            # Fresh prompts per level: a prompt repeated from an earlier level would measure
+            # the prefix cache instead of the engine.
+            seed = (args.seed * 1_000_003 + w) * 1_000_003 + concurrency
+            out.append(Level(len(out), workload, concurrency,
+                             max(concurrency * args.requests_per_client, args.min_requests), seed))
+    return out
 
 
 def discover_model(url: str, headers: dict) -> str:
     return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
-async def bench(url: str, server: str, args: argparse.Namespace) -> list[RunResult]:
+async def measure(url: str, server: str, level: Level, args: argparse.Namespace, pid: int | None) -> RunResult:
+    """Warm up on the level's prompt lengths and concurrency (a fresh server pays for lazy
+    initialisation of each new shape), on prompts of its own, then measure the level."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or discover_model(url, headers)
-    results = []
-    # Warm-up: the first requests pay for lazy initialisation on either server.
-    await run_level(url, model, server, Workload("warmup", [16]), 2, 4, 8, tuple(args.token_range), headers, 0)
-    for workload_index, workload in enumerate(workloads(args)):
-        for concurrency in args.concurrency:
-            requests = max(concurrency * args.requests_per_client, args.min_requests)
-            # Fresh prompts per level (the same for every server): a prompt repeated from an
-            # earlier level would measure the prefix cache instead of the engine.
-            level_seed = (args.seed * 1_000_003 + workload_index) * 1_000_003 + concurrency
-            result = await run_level(url, model, server, workload, concurrency, requests, args.output_len,
-                                     tuple(args.token_range), headers, level_seed)
-            print(format_row(result.row()), flush=True)
-            results.append(result)
-    return results
-
-
-# -- servers ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def resolve_model(model: str) -> str:
-    if Path(model).is_dir():
-        return str(Path(model).resolve())
-    sys.path.insert(0, str(ROOT))
-    from service.demo import default_demo_path
-    return str(default_demo_path(model))
-
-
-def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
-
-
-class KvsentryServer:
-    def __init__(self, model: str, args: argparse.Namespace):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        kvsentry = Path(sys.executable).with_name("kvsentry")
-        command = [str(kvsentry)] if kvsentry.exists() else [sys.executable, "-m", "service.cli"]
-        argv = [*command, "serve", model, "--port", str(self.port), "--max-model-len", str(args.max_model_len),
-                "--dtype", "float32", "--log-level", "warning", *args.kvsentry_args.split()]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True)
-
-    def __enter__(self) -> "KvsentryServer":
-        # Ranks must be loaded: /v1/models answers before that, /ready does not.
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvsentry exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("kvsentry not ready")
-            time.sleep(0.5)
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-class VllmServer:
-    def __init__(self, model: str, args: argparse.Namespace):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "THREADS": str(args.vllm_threads)}
-        subprocess.run(["bash", str(VLLM_SCRIPT), "serve", model, str(self.port), *args.vllm_args.split()],
-                       env=env, check=True)
-
-    def __enter__(self) -> "VllmServer":
-        wait_ready(self.url, None)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        subprocess.run(["bash", str(VLLM_SCRIPT), "stop", str(self.port)], check=False)
-        time.sleep(3)
+    warmup = Level(-1, level.workload, level.concurrency, level.concurrency, seed=level.seed + WARMUP_SEED)
+    token_range = tuple(args.token_range)
+    await run_level(url, model, server, warmup, WARMUP_TOKENS, token_range, headers)
+    result = await run_level(url, model, server, level, args.output_len, token_range, headers, pid)
+    print(format_row(result.row()), flush=True)
+    return result
 
 
 # -- report -----------------------------------------------------------------------------------------
 COLUMNS = ("server", "workload", "concurrency", "requests", "errors", "output_tok_s", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cpu_cores", "busy_threads")
 
 
 def format_row(row: dict) -> str:
@@ -288,16 +257,38 @@ def ratio_table(ours: list[RunResult], theirs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def comparable(ours: list[RequestResult | None], theirs: list[RequestResult | None],
+               model: str) -> tuple[str, list, list]:
+    """Token ids where both servers sent them; otherwise texts, a side's ids decoded with the
+    checkpoint's tokenizer (vLLM's own streamed text can start with decoded prompt bytes)."""
+    if all(o is not None and o.token_ids is not None for o in ours + theirs):
+        return "greedy token ids", [o.token_ids for o in ours], [o.token_ids for o in theirs]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def text(o: RequestResult | None) -> str | None:
+        if o is None:
+            return None
+        full = o.text if o.token_ids is None else tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        # A completion that ends inside a multi-byte character: a full decode shows U+FFFD
+        # there, an incremental detokenizer holds the bytes back.
+        return full.rstrip("\ufffd")
+
+    return "greedy completion text", [text(o) for o in ours], [text(o) for o in theirs]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="base URL of a running OpenAI-compatible server (no /v1)")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("KVSENTRY_API_KEY"), help="bearer token, if the server wants one")
-    p.add_argument("--start-kvsentry", metavar="MODEL", help="start `kvsentry serve MODEL`, benchmark it, stop it")
-    p.add_argument("--start-vllm", metavar="MODEL", help="start vLLM (peers/vllm-cpu.sh) on MODEL, benchmark, stop")
-    p.add_argument("--kvsentry-args", default="", help="extra `kvsentry serve` flags, e.g. '--threads 2'")
+    p.add_argument("--api-key", default=envs.api_key(), help="bearer token, if the server wants one")
+    p.add_argument("--start-kvsentry", metavar="MODEL", help="start `kvsentry serve MODEL` for each level")
+    p.add_argument("--start-vllm", metavar="MODEL", help="start vLLM (peers/vllm-cpu.sh) on MODEL for each level")
+    p.add_argument("--threads", type=int, default=1, help="compute threads of each started server")
+    p.add_argument("--kvsentry-threads", type=int, help="kvsentry's alone (default: --threads)")
+    p.add_argument("--vllm-threads", type=int, help="vLLM's alone (default: --threads)")
+    p.add_argument("--kvsentry-args", default="", help="extra `kvsentry serve` flags")
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
-    p.add_argument("--vllm-threads", type=int, default=2, help="compute threads for vLLM (THREADS of the peer script)")
     p.add_argument("--max-model-len", type=int, default=1024, help="context length both servers are started with")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64],
                    help="comma-separated concurrency levels")
@@ -314,26 +305,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.url or args.start_kvsentry or args.start_vllm):
         p.error("give --url, --start-kvsentry or --start-vllm")
+    args.kvsentry_threads = args.kvsentry_threads or args.threads
+    args.vllm_threads = args.vllm_threads or args.threads
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(header(), flush=True)
     runs: dict[str, list[RunResult]] = {}
+    print(header(), flush=True)
     if args.url:
-        runs["url"] = asyncio.run(bench(args.url.rstrip("/"), "url", args))
-    if args.start_kvsentry:
-        with KvsentryServer(resolve_model(args.start_kvsentry), args) as server:
-            runs["kvsentry"] = asyncio.run(bench(server.url, "kvsentry", args))
-    if args.start_vllm:
-        with VllmServer(resolve_model(args.start_vllm), args) as server:
-            runs["vllm"] = asyncio.run(bench(server.url, "vllm", args))
-    if "kvsentry" in runs and "vllm" in runs:
-        print(ratio_table(runs["kvsentry"], runs["vllm"]))
+        runs["url"] = [asyncio.run(measure(args.url.rstrip("/"), "url", level, args, None)) for level in levels(args)]
+    started = {name: (server, resolve_model(model)) for name, server, model in
+               (("kvsentry", KvsentryServer, args.start_kvsentry), ("vllm", VllmServer, args.start_vllm)) if model}
+    for level in levels(args):
+        # Each server alone on the machine while measured; which goes first alternates by level.
+        for name in (list(started) if level.index % 2 == 0 else list(started)[::-1]):
+            server_class, model = started[name]
+            with server_class(model, args) as server:
+                if name not in runs:
+                    print(f"  {server.threads_note()}", flush=True)
+                runs.setdefault(name, []).append(asyncio.run(measure(server.url, name, level, args, server.pid)))
     if args.json:
         Path(args.json).write_text(json.dumps([r.row() for rs in runs.values() for r in rs], indent=2))
-    return 0 if not any(r.errors for rs in runs.values() for r in rs) else 1
+    errors = sum(r.errors for rs in runs.values() for r in rs)
+    if "kvsentry" in runs and "vllm" in runs:
+        print(ratio_table(runs["kvsentry"], runs["vllm"]))
+        labels = [f"{r.workload} c{r.concurrency} request {i}" for r in runs["kvsentry"] for i in range(r.requests)]
+        what, ours, theirs = comparable([o for r in runs["kvsentry"] for o in r.outputs],
+                                        [o for r in runs["vllm"] for o in r.outputs], started["kvsentry"][1])
+        print(require_identical(what, ours, theirs, ("kvsentry", "vLLM"), labels))
+    if errors:
+        print(f"FAIL: {errors} requests failed", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""benchmarks/kv_write_bandwidth.py and scripts/gpu_check.sh on a machine without a GPU."""
+"""benchmarks/ and scripts/gpu_check.sh on a machine without a GPU: the bandwidth benchmark's
+CPU paths, and the check every engine-vs-peer benchmark ends with (outputs that must be equal
+are, or the run exits non-zero)."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -13,7 +16,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks" / "kv_write_bandwidth.py"
+BENCH_DIR = ROOT / "benchmarks"
+BENCH = BENCH_DIR / "kv_write_bandwidth.py"
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
@@ -54,6 +58,76 @@ def test_benchmark_kernel_path_runs(kvsentry_ops, tmp_path, capsys):
                            "reshape_and_cache_flash fp8", "concat_and_cache_mla fp8") for n in (1, 40)]
     assert all(r["kernel_gbs"] > 0 and r["copy_gbs"] > 0 and r["reference_gbs"] > 0 for r in rows)
     assert "target: kernel >= 80% of d2d copy bandwidth at >= 1 tokens" in capsys.readouterr().out
+
+
+@pytest.fixture
+def bench_modules(monkeypatch):
+    """Import benchmark scripts as they run: with benchmarks/ first on sys.path."""
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    names = ("common", "servers", "serve")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield lambda name: importlib.import_module(name)
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def test_require_identical_passes_equal_outputs_and_fails_on_any_difference(bench_modules):
+    common = bench_modules("common")
+    names = ("ours", "peer")
+    assert common.require_identical("tokens", [[1, 2], [3]], [[1, 2], [3]], names) == \
+        "tokens: outputs identical for 2/2 (ours vs peer)"
+    with pytest.raises(SystemExit) as failed:
+        common.require_identical("tokens", [[1, 2], [3], [4]], [[1, 9], [3], None], names, ["a", "b", "c"])
+    message = str(failed.value.code)  # a str code: printed to stderr, exit status 1
+    assert message.startswith("FAIL tokens: outputs differ for 2/3 (ours vs peer)")
+    assert "a: first difference at item 1 of 2/2: ours [2] vs peer [9]" in message
+    assert "c: ours ok, peer no output" in message
+    with pytest.raises(SystemExit):
+        common.require_identical("tokens", [[1]], [[1], [2]], names)
+
+
+def test_serve_compares_token_ids_or_decoded_text(bench_modules, tmp_path):
+    serve = bench_modules("serve")
+    done = lambda text, ids: serve.RequestResult(0.1, 0.01, 2, text, ids)  # noqa: E731
+    what, ours, theirs = serve.comparable([done("ab", [1, 2])], [done("xab", [1, 2])], str(tmp_path))
+    assert (what, ours, theirs) == ("greedy token ids", [[1, 2]], [[1, 2]])
+
+    class Tokenizer:  # stands in for the checkpoint's: ids 1, 2 -> "a", "b"; 3 -> a lone byte
+        def decode(self, ids, skip_special_tokens):
+            return "".join({1: "a", 2: "b", 3: "\ufffd"}[i] for i in ids)
+
+    import transformers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Tokenizer())
+        what, ours, theirs = serve.comparable([done("ab", None), done("ab", None), None],
+                                              [done("garbage", [1, 2, 3]), done("", [2, 1]), done("a", [1])], "m")
+    assert what == "greedy completion text"
+    assert ours == ["ab", "ab", None] and theirs == ["ab", "ba", "a"]
+
+
+def test_serve_levels_have_fresh_prompts_that_every_server_shares(bench_modules):
+    serve = bench_modules("serve")
+    args = serve.parse_args(["--url", "http://x", "--concurrency", "1,4", "--mixed-range", "16", "32"])
+    levels = serve.levels(args)
+    assert [(lv.workload.name, lv.concurrency) for lv in levels] == [
+        ("fixed-128", 1), ("fixed-128", 4), ("mixed-16..32", 1), ("mixed-16..32", 4)]
+    prompts = [lv.prompts((5, 500)) for lv in levels]
+    assert prompts == [lv.prompts((5, 500)) for lv in serve.levels(args)]  # the same bytes for every server
+    firsts = [tuple(p[0]) for p in prompts]
+    assert len(set(firsts)) == len(firsts)  # no level repeats another's prompt
+    assert (args.kvsentry_threads, args.vllm_threads) == (1, 1)  # one compute thread each by default
+
+
+@pytest.mark.slow
+def test_offline_benchmark_times_fresh_prompts_and_checks_tokens():
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "offline_throughput.py"), "--threads", "1",
+                           "--requests", "2", "--prompt-len", "16", "--new-tokens", "3", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "prefix-cache hits in the timed runs: 0 tokens" in proc.stdout
+    assert "greedy tokens: outputs identical for 4/4 (kvsentry vs transformers)" in proc.stdout
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
