@@ -58,7 +58,7 @@ class AppState:
         self.config = config
         self.client = client
         self.settings = settings
-        self.tokenizer = tokenizer or Tokenizer(config.model.path)
+        self.tokenizer = tokenizer or Tokenizer(config.model.tokenizer)
         self.formatter = TokenFormatter(self.tokenizer)
         # Every token covers at most this many characters of text, so a longer text cannot fit in
         # max_model_len tokens: it is refused before tokenizing (seconds of CPU for a 4 MiB body).

@@ -82,16 +82,17 @@ class AsyncEngineClient:
         if self._closed:
             return
         self._closed = True
-        if not hasattr(self, "inputs"):  # start() never got as far as binding
-            await _stop(self.procs)
-            return
-        send_shutdown(self.inputs, self.state)
+        # start() may have failed part way (a port in use): close what it got to.
+        if self.procs and hasattr(self, "inputs"):
+            send_shutdown(self.inputs, self.state)
         for task in self._tasks:
             task.cancel()
         await _stop(self.procs)
-        self.inputs.close(0)
-        self.outputs.close(0)
-        self.ctx.term()
+        for name in ("inputs", "outputs"):
+            if hasattr(self, name):
+                getattr(self, name).close(0)
+        if hasattr(self, "ctx"):
+            self.ctx.term()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> asyncio.Queue:

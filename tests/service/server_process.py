@@ -46,11 +46,11 @@ def kvsentry_command() -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *flags: str, log_dir: Path, api_key: str | None = API_KEY,
+    def __init__(self, model: str | None, *flags: str, log_dir: Path, api_key: str | None = API_KEY,
                  env: dict[str, str] | None = None):
         self.port = free_port()
         self.api_key = api_key
-        argv = [*kvsentry_command(), "serve", model, "--port", str(self.port),
+        argv = [*kvsentry_command(), "serve", *([model] if model else []), "--port", str(self.port),
                 "--data-parallel-rpc-port", str(free_port_run()), "--kv-cache-memory", "64MiB", *flags]
         if api_key:
             argv += ["--api-key", api_key]

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.service.conftest import MAIN_MAX_QUEUED, MAIN_STALL_TIMEOUT
-from tests.service.server_process import ServerProcess
+from tests.service.server_process import free_port_run, ServerProcess
 
 LONG = {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True}
 
@@ -169,14 +169,19 @@ def test_sigterm_drains_then_exits_zero(checkpoint, tmp_path):
         proc.stop()
 
 
-def test_engine_that_cannot_start_exits_nonzero(llama_path, tmp_path):
-    with socket.socket() as taken:  # the ranks' request port is already in use
-        taken.bind(("127.0.0.1", 0))
+@pytest.mark.parametrize("taken_offset", [0, 1], ids=["requests-port", "outputs-port"])
+def test_engine_that_cannot_start_exits_nonzero(llama_path, tmp_path, taken_offset):
+    base = free_port_run()
+    with socket.socket() as taken:  # one of the ranks' ports is already in use
+        taken.bind(("127.0.0.1", base + taken_offset))
         taken.listen()
-        proc = ServerProcess(llama_path, "--data-parallel-rpc-port", str(taken.getsockname()[1]), log_dir=tmp_path)
+        proc = ServerProcess(llama_path, "--data-parallel-rpc-port", str(base), log_dir=tmp_path)
         try:
             assert proc.wait(timeout=60) == 1
         finally:
             proc.stop()
-    dead = [json.loads(line) for line in proc.log_text().splitlines() if '"engine_dead"' in line]
+    events = [json.loads(line) for line in proc.log_text().splitlines() if line.startswith("{")]
+    dead = [e for e in events if e.get("event") == "engine_dead"]
     assert dead and "failed to start" in dead[0]["reason"]
+    # A start that failed half way still shuts down cleanly.
+    assert not [e for e in events if e.get("event") == "engine_shutdown_failed"]
