@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into the step's tensors, in persistent buffers.
 
-Safety rule (DESIGN.md): every position past the real tokens -- the *whole*
+Safety rule (docs/design.md): every position past the real tokens -- the *whole*
 rest of the slot buffer, not just up to the padded count -- is refilled with
 PAD_SLOT_ID each step, and every block-table row past the real requests is
 zeroed with length 0. A dummy batch is the degenerate case: no real tokens.

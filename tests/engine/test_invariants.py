@@ -1,4 +1,4 @@
-"""DESIGN.md invariants 1-4 as properties over random request mixes and step sequences."""
+"""docs/design.md invariants 1-4 as properties over random request mixes and step sequences."""
 from __future__ import annotations
 
 import random
