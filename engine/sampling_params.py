@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from engine.structured.spec import StructuredOutputs
+
 MAX_LOGPROBS = 20  # top logprobs per token, as the OpenAI API allows
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_REPETITION_PENALTY = 10.0
@@ -82,6 +84,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # the grammar the output must match
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:

@@ -17,6 +17,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.validation import validate_request
 from engine.worker.sentinel import NaNSentinel
+from engine.structured.grammar import GrammarCompiler, compiler_for_model
 
 
 class EngineCore:
@@ -40,6 +41,11 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
         validate_request(self.config, request)
+        if request.params.structured_outputs is not None:
+            self.grammar_compiler().compile(request.params.structured_outputs)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        return compiler_for_model(self.config.model)
 
     def add_request(self, request: EngineRequest) -> None:
         self.validate(request)
@@ -48,6 +54,8 @@ class EngineCore:
             r = Request(request.request_id, index, request.prompt_token_ids, request.params,
                         request.eos_token_id, request.arrival_time or time.time(), wait_for=first)
             r.eos_token_ids = self._eos_ids | ({request.eos_token_id} - {None})
+            if request.params.structured_outputs is not None:  # one matcher per sample
+                r.grammar = self.grammar_compiler().matcher(request.params.structured_outputs)
             first = first or r
             self.scheduler.add(r)
 
@@ -152,6 +160,11 @@ class EngineCore:
             if request.num_output_tokens == 1 and request.first_scheduled_at is not None:
                 out.queue_seconds = request.first_scheduled_at - request.added_at
             reason, stop_reason = self._check_stop(request, token, max_len)
+            if request.grammar is not None and reason is None:
+                if not request.grammar.accept(request.output_token_ids):
+                    reason, stop_reason = "error", "token refused by the grammar"
+                elif request.grammar.is_terminated:
+                    reason = "stop"
             if request.key in result.nan_logits:
                 self.corrupted_requests += 1
                 if self.config.nan_policy in ("heal", "fail"):

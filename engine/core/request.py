@@ -42,6 +42,7 @@ class Request:
         self.stop_reason: int | str | None = None
         # Sibling samples (n > 1) wait until the first one's prompt is cached, then share it.
         self.wait_for = wait_for
+        self.grammar = None  # RequestGrammar (engine/structured/grammar.py) when the output is constrained
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)

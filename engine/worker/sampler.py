@@ -12,6 +12,7 @@ import torch
 
 from engine.messages import TokenLogprob
 from engine.core.request import Request
+from engine.structured.grammar import apply_grammars
 
 
 def apply_penalties(logits: torch.Tensor, request: Request) -> None:
@@ -106,11 +107,15 @@ class Sampler:
         processed = logits
         special = [i for i, r in enumerate(requests)
                    if r.params.uses_penalties or r.num_output_tokens < r.params.min_tokens]
-        if special:
+        grammars = [r.grammar for r in requests]
+        constrained = any(g is not None for g in grammars)
+        if special or constrained:
             processed = logits.clone()
             for i in special:
                 apply_penalties(processed[i], requests[i])
                 _mask_for_min_tokens(processed[i], requests[i])
+            if constrained:
+                apply_grammars(processed, grammars)  # only the rows that have a grammar change
         tokens = row_argmax(processed).tolist()
         for i, request in enumerate(requests):
             if request.params.greedy:

@@ -1,0 +1,120 @@
+"""Grammar-constrained decoding with xgrammar: compile a spec, match one request's tokens.
+
+One GrammarCompiler per tokenizer (its TokenizerInfo is built once from the vocabulary and
+sized to the model's vocabulary, which may be larger than the tokenizer's: the extra rows are
+never allowed); compiled grammars are cached by spec. Each sample of a request owns one
+`RequestGrammar`, a GrammarMatcher that accepts exactly the request's output tokens, once each.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import torch
+import xgrammar as xgr
+
+from engine.structured.spec import StructuredOutputs
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per compiler (the compiler caches internally too)
+
+
+class GrammarError(ValueError):
+    """A spec that cannot compile; reads "field: why" like every request refusal."""
+
+
+def build_compiler(backend, vocab_size: int, stop_token_ids: list[int]) -> "GrammarCompiler":
+    """`backend`: a `tokenizers.Tokenizer` (engine/frontend/tokenizer.py's Tokenizer.backend)."""
+    from transformers import PreTrainedTokenizerFast
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend)
+    info = xgr.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return GrammarCompiler(info)
+
+
+def choice_regex(choices: list[str]) -> str:
+    return "|".join(f"({re.escape(c)})" for c in choices)
+
+
+class GrammarCompiler:
+    def __init__(self, info: xgr.TokenizerInfo):
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self._compiler = xgr.GrammarCompiler(info)
+        self.compile = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile)
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        field = f"structured_outputs.{spec.kind}"
+        try:
+            if spec.kind == "json":
+                schema = json.loads(spec.spec)
+                if not isinstance(schema, (dict, bool)):
+                    raise GrammarError(f"{field}: a JSON schema must be an object")
+                return self._compiler.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
+            if spec.kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return self._compiler.compile_regex(choice_regex(json.loads(spec.spec)))
+            return self._compiler.compile_grammar(spec.spec)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as exc:
+            why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise GrammarError(f"{field}: cannot be compiled: {_strip_location(why)}") from None
+
+    def matcher(self, spec: StructuredOutputs) -> "RequestGrammar":
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+
+
+def _strip_location(message: str) -> str:
+    # xgrammar prefixes "[hh:mm:ss] /path/file.cc:line: " to its errors; the client needs the rest.
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)
+
+
+class RequestGrammar:
+    """The matcher of one sample. `num_accepted` counts the output tokens it has taken, so a
+    preempted request whose outputs are recomputed is never advanced twice by the same token."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self.matcher = matcher
+        self.num_accepted = 0
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def accept(self, output_token_ids: list[int]) -> bool:
+        """Advance over the outputs not yet accepted; False when the grammar refuses one."""
+        for token in output_token_ids[self.num_accepted:]:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                return False
+            self.num_accepted += 1
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_grammars(logits: torch.Tensor,  # [num_reqs, vocab] float32 on CPU, masked in place
+                   grammars: list[RequestGrammar | None]) -> None:
+    """Mask each grammar row's disallowed tokens to -inf, in one fill over the batch."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[-1])  # [num_reqs, ceil(vocab/32)] int32
+    for row in rows:
+        grammars[row].fill(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+def compiler_for_model(model) -> GrammarCompiler:
+    """`model`: a ModelConfig; its end-of-turn ids end a grammar (the matcher's stop tokens)."""
+    return compiler_for(model.tokenizer, model.vocab_size, tuple(sorted(set(model.eos_token_ids))))
+
+
+@functools.lru_cache(maxsize=4)
+def compiler_for(tokenizer_path: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> GrammarCompiler:
+    """The process's compiler for a tokenizer (a rank and the front end each build their own)."""
+    from engine.frontend.tokenizer import Tokenizer
+    return build_compiler(Tokenizer(tokenizer_path).backend, vocab_size, list(stop_token_ids))
