@@ -69,9 +69,12 @@ ENGINE_ARGS = (
               group="data parallel"),
     EngineArg("data_parallel_rpc_port", "first of 3 consecutive TCP ports for requests, outputs and the rank "
               "rendezvous", group="data parallel"),
+    EngineArg("dummy_batch_random_inputs", "dummy batches feed random token ids, spreading their tokens over "
+              "the experts as real traffic does, instead of token 0 everywhere", group="data parallel"),
     EngineArg("nan_sentinel", "what the KV cache scan covers each step", group="NaN sentinel",
               choices=NAN_SENTINEL_MODES),
     EngineArg("nan_scan_blocks_per_step", "blocks the rolling scan checks per step", group="NaN sentinel"),
+    EngineArg("nan_scan_written_blocks", "rolling mode: also scan every block the step wrote", group="NaN sentinel"),
     EngineArg("nan_policy", "on NaN/Inf in the cache: only count it, heal the block and fail the requests "
               "reading it, or fail and mark the server not ready", group="NaN sentinel", choices=NAN_POLICIES),
 )

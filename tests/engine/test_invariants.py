@@ -50,10 +50,11 @@ def path(checkpoint):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=actions, seed=st.integers(0, 2**16), prefix=st.booleans())
-def test_random_schedules_keep_invariants(path, plan, seed, prefix, monkeypatch):
+@given(plan=actions, seed=st.integers(0, 2**16), prefix=st.booleans(), random_dummy=st.booleans())
+def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy, monkeypatch):
     config = EngineConfig.create(path, max_model_len=128, block_size=BLOCK, num_gpu_blocks=24,
-                                 max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=prefix)
+                                 max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=prefix,
+                                 dummy_batch_random_inputs=random_dummy)
     core = EngineCore(config)
     written: list[torch.Tensor] = []
     real_write = llama_module.write_kv
