@@ -16,6 +16,8 @@ from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionReques
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
+from service.structured import compile_or_refuse, request_grammar
+from service.tools import ToolPlan, new_call_id, plan_tools, tool_messages
 
 router = APIRouter()
 ROUTE = "/v1/chat/completions"
@@ -38,10 +40,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def render_chat(state: AppState, messages: list[ChatMessage], add_generation_prompt: bool) -> PromptInput:
+def render_chat(state: AppState, messages: list[ChatMessage], add_generation_prompt: bool,
+                body: ChatCompletionRequest | None = None) -> PromptInput:
     try:
-        text = state.tokenizer.apply_chat_template(template_messages(messages),
-                                                   add_generation_prompt=add_generation_prompt)
+        rendered, extra = template_messages(messages), {}
+        if body is not None:
+            rendered, extra = tool_messages(messages, rendered, body, state.tokenizer.chat_template or "")
+        text = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **extra)
     except ValueError as exc:
         raise from_value_error(exc, "messages") from None
     except jinja2.TemplateError as exc:
@@ -56,29 +61,62 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
-    prompt = render_chat(state, body.messages, body.add_generation_prompt)
+    plan = plan_tools(body, state.settings.tool_call_parser)
+    if plan is not None and plan.grammar is not None:
+        structured = plan.grammar
+        compile_or_refuse(state, structured, "tools")
+    else:
+        structured = request_grammar(state, body)
+    prompt = render_chat(state, body.messages, body.add_generation_prompt, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
-                            logprobs=logprobs, param="messages")
+                            logprobs=logprobs, param="messages", structured=structured)
     gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
     created = int(time.time())
     if body.stream:
-        return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)
+        return SSEResponse(_stream(state, gen, body, created, plan), on_close=gen.close_stream)
     if not await complete(request, gen):
         return Response(status_code=499)
     choices = []
     for sample in gen.states[0].samples:
         logprobs_out = ChatLogprobs(content=state.formatter.chat(sample.logprobs)) if body.logprobs else None
-        choices.append(ChatChoice(index=sample.index, message=AssistantMessage(content=sample.text),
-                                  logprobs=logprobs_out, finish_reason=sample.finish_reason,
+        content, calls = plan.calls(sample.text) if plan is not None else (sample.text, [])
+        choices.append(ChatChoice(index=sample.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                  logprobs=logprobs_out, finish_reason=_finish_reason(sample.finish_reason, calls),
                                   stop_reason=sample.stop_reason))
     return ChatCompletionResponse(id=gen.request_id, created=created, model=state.model_name,
                                   choices=choices, usage=gen.usage())
 
 
+def _finish_reason(reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _tool_deltas(plan: ToolPlan, sample, text: str, call_ids: dict[int, str]) -> dict:
+    """The delta of one streamed piece of a tool-calling sample. named: the text is the
+    arguments, streamed as it comes; required/auto: parsed once the sample has finished."""
+    if plan.mode == "named":
+        if not text:
+            return {}
+        if sample.index in call_ids:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        call_ids[sample.index] = new_call_id()
+        return {"tool_calls": [{"index": 0, "id": call_ids[sample.index], "type": "function",
+                                "function": {"name": plan.name, "arguments": text}}]}
+    if sample.finish_reason is None:
+        return {}
+    content, calls = plan.calls(sample.text)
+    call_ids[sample.index] = "parsed" if calls else ""
+    delta: dict = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": i, **call.model_dump()} for i, call in enumerate(calls)]
+    return delta
+
+
 async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, plan: ToolPlan | None) -> AsyncIterator[str]:
     finished: set[int] = set()
+    call_ids: dict[int, str] = {}
 
     def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
         # Plain dicts: a pydantic model per streamed token costs more than the token's other work.
@@ -105,8 +143,14 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                 logprobs = ChatLogprobs(content=state.formatter.chat(entries)) if body.logprobs else None
                 if sample.finish_reason is not None:
                     finished.add(sample.index)
-                choices.append(choice(sample.index, {"content": text} if text else {}, logprobs,
-                                      sample.finish_reason, sample.stop_reason if sample.finish_reason else None))
+                reason = sample.finish_reason
+                if plan is None:
+                    delta = {"content": text} if text else {}
+                else:
+                    delta = _tool_deltas(plan, sample, text, call_ids)
+                    reason = _finish_reason(reason, [1] if call_ids.get(sample.index) else [])
+                choices.append(choice(sample.index, delta, logprobs, reason,
+                                      sample.stop_reason if sample.finish_reason else None))
             if choices:
                 yield chunk(choices)
         if body.stream_options and body.stream_options.include_usage:

@@ -16,6 +16,7 @@ from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs,
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
+from service.structured import request_grammar
 
 router = APIRouter()
 ROUTE = "/v1/completions"
@@ -54,8 +55,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"n: {len(prompts)} prompts x n={body.n} choices exceed the limit of "
                           f"{MAX_CHOICES} per request", "n")
+    structured = request_grammar(state, body)
     params = request_params(state, body, prompts, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+                            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                            structured=structured)
     gen = start_generation(state, request, "cmpl", ROUTE, prompts, params)
     created = int(time.time())
     if body.stream:

@@ -18,6 +18,7 @@ from engine.core.validation import validate_api_request, validate_prompt
 from engine.frontend.output_processor import RequestState
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutputs
 from service import responses
 from service.errors import APIError, bad_request, error_body, from_value_error
 from service.logs import log_event
@@ -53,7 +54,8 @@ def encode(state: AppState, text: str, param: str = "prompt", add_special_tokens
 
 
 def request_params(state: AppState, req: SamplingFields, prompts: list[PromptInput], *, max_tokens: int | None,
-                   logprobs: int | None, prompt_logprobs: int | None = None, param: str = "prompt") -> SamplingParams:
+                   logprobs: int | None, prompt_logprobs: int | None = None, param: str = "prompt",
+                   structured: StructuredOutputs | None = None) -> SamplingParams:
     """Check `prompts` by the engine's rules and build the request's SamplingParams; any refusal
     is a 400 naming the field. `max_tokens` None: whatever room the longest prompt leaves."""
     config = state.config
@@ -66,7 +68,8 @@ def request_params(state: AppState, req: SamplingFields, prompts: list[PromptInp
         fields = {name: value for name in ENGINE_SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
         if isinstance(fields.get("stop"), str):
             fields["stop"] = [fields["stop"]]
-        params = SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        params = SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                structured_outputs=structured)
         validate_api_request(config, longest, params)
     except ValueError as exc:
         raise from_value_error(exc) from None

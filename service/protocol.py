@@ -8,9 +8,9 @@ own name (`ENGINE_SAMPLING_FIELDS`), so the two layers cannot disagree.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from engine.sampling_params import LIMITS, Bounds, SamplingParams
 
@@ -46,8 +46,45 @@ class ErrorResponse(BaseModel):
 
 
 # -- shared sampling fields ---------------------------------------------------------------------
+def _refuse(value: Any) -> Any:
+    if value not in (None, False, {}, []):
+        raise ValueError("not supported by kvsentry (it would change the output); remove the field")
+    return value
+
+
+# A field that would change the output and that kvsentry does not implement: set, it is a 400
+# naming it, never silently ignored (null, false or empty are the same as leaving it out).
+UNSUPPORTED = "not supported: a request that sets it is refused with a 400"
+Unsupported = Annotated[Any, AfterValidator(_refuse), Field(description=UNSUPPORTED)]
+
+
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(StrictRequest):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(StrictRequest):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar."""
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True  # kvsentry's JSON is compact unless this is false
+    structural_tag: Unsupported = None
 
 
 class SamplingFields(StrictRequest):
@@ -70,14 +107,40 @@ class SamplingFields(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    logit_bias: Unsupported = None
+    allowed_token_ids: Unsupported = None
+    bad_words: Unsupported = None
+    logits_processors: Unsupported = None
+    use_beam_search: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    guided_json_object: Unsupported = None
+    truncate_prompt_tokens: Unsupported = None
 
 
 # The fields above that SamplingParams takes as they are: same name, same meaning. max_tokens
 # and logprobs mean something else on each endpoint, so the handlers pass those themselves.
+# structured_outputs is vLLM's request object; service/structured.py turns it into the engine's spec.
 ENGINE_SAMPLING_FIELDS = tuple(name for name in SamplingFields.model_fields
-                               if name in SamplingParams.__struct_fields__)
+                               if name in SamplingParams.__struct_fields__ and name != "structured_outputs")
 # The fields that do not change which tokens come out.
 TRANSPORT_FIELDS = frozenset({"model", "stream", "stream_options", "user"})
+# The fields that become the engine's grammar (service/structured.py).
+GRAMMAR_FIELDS = frozenset({"response_format", "structured_outputs"})
+
+
+def refused_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, info in model.model_fields.items() if info.description == UNSUPPORTED)
+
+
+def _refuse_best_of(value: int | None) -> int | None:
+    if value not in (None, 1):
+        raise ValueError("not supported by kvsentry (only 1); use n")
+    return value
 
 
 # -- /v1/completions ------------------------------------------------------------------------------
@@ -86,6 +149,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = engine_field("max_tokens")
     logprobs: int | None = engine_field("logprobs")
     echo: bool = False
+    suffix: Unsupported = None
+    best_of: Annotated[int | None, AfterValidator(_refuse_best_of)] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -124,14 +189,64 @@ class ContentPart(StrictRequest):
     text: str | None = None
 
 
+class FunctionCall(StrictRequest):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(StrictRequest):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictRequest):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None           # a tool turn: the call it answers
+    function_call: Unsupported = None
+
+
+class FunctionDefinition(StrictRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _refuse_modalities(value: list[str] | None) -> list[str] | None:
+    if value not in (None, ["text"]):
+        raise ValueError("only [\"text\"] is supported")
+    return value
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+    web_search_options: Unsupported = None
+    modalities: Annotated[list[str] | None, AfterValidator(_refuse_modalities)] = None
     max_tokens: int | None = engine_field("max_tokens", None)
     max_completion_tokens: int | None = engine_field("max_tokens", None)
     logprobs: bool = False
@@ -156,6 +271,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):

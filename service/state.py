@@ -50,6 +50,7 @@ class ServeSettings:
     shutdown_timeout: float = 30.0
     log_prompts: bool = False
     enable_fault_injection: bool = False
+    tool_call_parser: str | None = None  # parses tool calls out of free text for tool_choice "auto"
 
 
 class AppState:

@@ -12,8 +12,8 @@ from engine.core.validation import InvalidRequest, validate_api_request, validat
 from engine.sampling_params import LIMITS, SamplingParams
 from service.errors import APIError, from_value_error
 from service.generate import PromptInput, request_params
-from service.protocol import (ENGINE_SAMPLING_FIELDS, TRANSPORT_FIELDS, ChatCompletionRequest, CompletionRequest,
-                              SamplingFields)
+from service.protocol import (ENGINE_SAMPLING_FIELDS, GRAMMAR_FIELDS, TRANSPORT_FIELDS, ChatCompletionRequest,
+                              CompletionRequest, SamplingFields, refused_fields)
 
 
 def field_bounds(model: type, name: str) -> dict:
@@ -29,11 +29,15 @@ def config(llama_path) -> EngineConfig:
 
 
 def test_every_request_field_reaches_the_engine_or_changes_no_tokens():
-    assert set(SamplingFields.model_fields) == set(ENGINE_SAMPLING_FIELDS) | TRANSPORT_FIELDS
+    # A field is passed to the engine, turned into its grammar, changes no tokens, or is refused.
+    refused = refused_fields(SamplingFields)
+    assert refused >= {"logit_bias", "guided_json"}
+    assert set(SamplingFields.model_fields) == set(ENGINE_SAMPLING_FIELDS) | TRANSPORT_FIELDS | GRAMMAR_FIELDS | refused
     assert not set(ENGINE_SAMPLING_FIELDS) & TRANSPORT_FIELDS
     engine_fields = {f.name for f in msgspec.structs.fields(SamplingParams)}
     # The rest of SamplingParams is what each endpoint passes itself.
-    assert engine_fields - set(ENGINE_SAMPLING_FIELDS) == {"max_tokens", "logprobs", "prompt_logprobs"}
+    assert engine_fields - set(ENGINE_SAMPLING_FIELDS) == {"max_tokens", "logprobs", "prompt_logprobs",
+                                                           "structured_outputs"}
 
 
 @pytest.mark.parametrize("model, name, engine_name", [
