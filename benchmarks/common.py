@@ -1,18 +1,30 @@
-"""What the benchmarks share: the bench-llama checkpoint, seeded random prompts, and the
-check that two engines' greedy outputs are identical (a speed ratio between engines that
-computed different things is not a comparison)."""
+"""What the benchmarks share: the bench-llama checkpoint or the real default model, seeded random
+prompts, and the check that two engines' greedy outputs are identical in float32 and equal up to
+near-ties in bfloat16 (a speed ratio between engines that computed different things is not a
+comparison)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
+import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_MODEL = "default"  # --model value naming the default model: SmolLM2-135M-Instruct, Q4_1 GGUF
+DTYPES = ("float32", "bfloat16")
+NEAR_TIE_GAP = 1.0  # float32 logits of the two sides' tokens this close at a first divergence: a near-tie
+# bfloat16: more divergent requests than this share fails the run. On random-id prompts about 40% of
+# 64-token continuations meet a near-tie somewhere (SmolLM2, kvsentry vs transformers, 32 requests).
+MAX_DIVERGENT_SHARE = 0.6
 
 
 def workload_parser() -> argparse.ArgumentParser:
     """The flags every offline benchmark shares: checkpoint and the fixed workload."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", help="checkpoint dir (default: write the bench-llama preset)")
+    parser.add_argument("--model", help=f"checkpoint dir, .gguf file, or {DEFAULT_MODEL!r} for the default model "
+                        "(SmolLM2-135M-Instruct, Q4_1 GGUF); none given: write the bench-llama preset")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -20,7 +32,11 @@ def workload_parser() -> argparse.ArgumentParser:
 
 
 def bench_checkpoint(path: str | None) -> str:
-    """`path`, or a fresh bench-llama preset (hidden 256, 4 layers, vocab 32000) written for the run."""
+    """`path`; the default model's GGUF file for "default"; none given: a fresh bench-llama preset
+    (hidden 256, 4 layers, vocab 32000) written for the run."""
+    if path == DEFAULT_MODEL:
+        from engine.gguf.default_model import default_model_path
+        return default_model_path()
     if path is not None:
         return path
     from service.demo.checkpoint import write_preset
@@ -29,9 +45,10 @@ def bench_checkpoint(path: str | None) -> str:
     return path
 
 
-def random_prompts(count: int, length: int, vocab: int = 32000, seed: int = 0) -> list[list[int]]:
+def random_prompts(count: int, length: int, vocab: int = 32000, seed: int = 0, low: int = 5) -> list[list[int]]:
+    """Token ids drawn uniformly from [low, vocab)."""
     rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(length)] for _ in range(count)]
+    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(count)]
 
 
 class OutputMismatch(SystemExit):
@@ -62,3 +79,112 @@ def require_identical(what: str, ours: Sequence, theirs: Sequence, names: tuple[
     if len(differ) > 5:
         lines.append(f"  ... and {len(differ) - 5} more")
     raise OutputMismatch("\n".join(lines))
+
+
+# -- the real default model -----------------------------------------------------------------------
+def load_transformers(path: str, dtype: str = "float32"):
+    """transformers' model of a checkpoint dir or a .gguf file (dequantized at load), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    source = Path(path)
+    where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(source.parent if where else source, dtype=getattr(torch, dtype),
+                                                 **where)
+    return model.eval()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    source = Path(path)
+    if source.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def prompt_token_range(path: str) -> tuple[int, int]:
+    """Token ids a random prompt draws from: the whole vocabulary above the special and added tokens."""
+    tokenizer = load_tokenizer(path)
+    return max([*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder], default=-1) + 1, len(tokenizer)
+
+
+def hf_checkpoint(path: str) -> str:
+    """A .gguf file dequantized once (by transformers, float32) into a safetensors checkpoint dir with
+    its tokenizer, cached under the kvsentry cache dir; any other path is returned as it is. Peers that
+    cannot run the GGUF (vLLM's CPU build does not start on it) serve this dir, and so does kvsentry
+    beside them: the same weights, bit for bit."""
+    source = Path(path)
+    if source.suffix != ".gguf":
+        return path
+    from engine import envs
+    stat = source.stat()
+    tag = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    target = envs.cache_dir() / "hf" / f"{source.stem}-{tag}"
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{source.stem}-", dir=target.parent))
+    model = load_transformers(path, "float32")
+    model.hf_quantizer = None  # the weights are dequantized already; this lets save_pretrained write them
+    del model.config.quantization_config
+    model.save_pretrained(scratch)
+    load_tokenizer(path).save_pretrained(scratch)
+    try:
+        scratch.rename(target)
+    except OSError:  # another run wrote it first
+        shutil.rmtree(scratch, ignore_errors=True)
+    return str(target)
+
+
+def logit_gap(reference, prompts: Sequence[list[int]], ours: Sequence[list[int]],
+              theirs: Sequence[list[int]]) -> Callable[[int, int], float]:
+    """`gap(i, at)` for require_equal_up_to_near_ties: the float32 `reference` model's logits after
+    prompts[i] + ours[i][:at], |logit of ours[i][at] - logit of theirs[i][at]|."""
+    import torch
+
+    def gap(i: int, at: int) -> float:
+        with torch.inference_mode():
+            logits = reference(torch.tensor([list(prompts[i]) + list(ours[i][:at])])).logits[0, -1].float()
+        return abs(logits[ours[i][at]] - logits[theirs[i][at]]).item()
+
+    return gap
+
+
+def require_equal_up_to_near_ties(what: str, ours: Sequence, theirs: Sequence, names: tuple[str, str],
+                                  labels: Sequence[str] | None = None, gap: Callable[[int, int], float] | None = None,
+                                  max_share: float = MAX_DIVERGENT_SHARE) -> str:
+    """The bfloat16 counterpart of require_identical: a verdict naming how many items diverge, then a
+    line per divergent item saying where it first does; raise OutputMismatch when more than
+    `max_share` of the items diverge, when an item is missing, or (with `gap`) when a first
+    divergence is not a near-tie.
+
+    `gap(i, at)` gives, for token-id items that first differ at token `at`, how far apart a float32
+    reference model puts the logits of the two sides' tokens after prompt i + the common prefix; a
+    divergence is a near-tie when that gap is below NEAR_TIE_GAP. Rounding to bfloat16 moves logits
+    by less than that, so a larger gap means one side computed something else. Without `gap` (text
+    items) only the count and the character offsets are checked and reported."""
+    labels = list(labels) if labels is not None else [f"request {i}" for i in range(len(ours))]
+    if len(ours) != len(theirs):
+        raise OutputMismatch(f"FAIL {what}: {names[0]} gave {len(ours)} outputs, {names[1]} {len(theirs)}")
+    missing = [labels[i] for i, (a, b) in enumerate(zip(ours, theirs)) if a is None or b is None]
+    if missing:
+        raise OutputMismatch(f"FAIL {what}: no output for {len(missing)} items: {', '.join(missing[:5])}")
+    firsts = {i: next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for i, (a, b) in enumerate(zip(ours, theirs)) if list(a) != list(b)}
+    unit = "token" if gap is not None else "item"  # of a text: a character
+    lines, far = [], []
+    for i, at in firsts.items():
+        where = f"  {labels[i]}: first difference at {unit} {at}"
+        if gap is not None and at < min(len(ours[i]), len(theirs[i])):
+            distance = gap(i, at)
+            where += f", float32 logit gap {distance:.3f}"
+            if distance >= NEAR_TIE_GAP:
+                far.append(i)
+                where += " (not a near-tie)"
+        lines.append(where)
+    judged = f"each at a near-tie, float32 logit gap < {NEAR_TIE_GAP}" if gap is not None else \
+        "the divergences not judged by logits"
+    verdict = (f"{what}: {len(firsts)}/{len(ours)} diverge ({names[0]} vs {names[1]}; "
+               f"allowed: {max_share:.0%}, {judged})")
+    if len(firsts) > max_share * len(ours) or far:
+        raise OutputMismatch("\n".join([f"FAIL {verdict}", *lines]))
+    return "\n".join([verdict, *lines])

