@@ -17,6 +17,7 @@ from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
 from service.structured import compile_or_refuse, request_grammar
+from service.reasoning import ReasoningStream, split_reasoning
 from service.tools import ToolPlan, new_call_id, plan_tools, tool_messages
 
 router = APIRouter()
@@ -73,15 +74,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                             logprobs=logprobs, param="messages", structured=structured)
     gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
     created = int(time.time())
+    # A grammar constrains the whole output, so a constrained answer has no reasoning to split off.
+    reasoning = state.settings.reasoning_parser is not None and structured is None
     if body.stream:
-        return SSEResponse(_stream(state, gen, body, created, plan), on_close=gen.close_stream)
+        return SSEResponse(_stream(state, gen, body, created, plan, reasoning), on_close=gen.close_stream)
     if not await complete(request, gen):
         return Response(status_code=499)
     choices = []
     for sample in gen.states[0].samples:
         logprobs_out = ChatLogprobs(content=state.formatter.chat(sample.logprobs)) if body.logprobs else None
-        content, calls = plan.calls(sample.text) if plan is not None else (sample.text, [])
-        choices.append(ChatChoice(index=sample.index, message=AssistantMessage(content=content, tool_calls=calls),
+        thought, text = split_reasoning(sample.text) if reasoning else (None, sample.text)
+        content, calls = plan.calls(text) if plan is not None and text else (text, [])
+        message = AssistantMessage(content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought)
+        choices.append(ChatChoice(index=sample.index, message=message,
                                   logprobs=logprobs_out, finish_reason=_finish_reason(sample.finish_reason, calls),
                                   stop_reason=sample.stop_reason))
     return ChatCompletionResponse(id=gen.request_id, created=created, model=state.model_name,
@@ -92,7 +97,7 @@ def _finish_reason(reason: str | None, calls: list) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _tool_deltas(plan: ToolPlan, sample, text: str, call_ids: dict[int, str]) -> dict:
+def _tool_deltas(plan: ToolPlan, sample, text: str, full_text: str, call_ids: dict[int, str]) -> dict:
     """The delta of one streamed piece of a tool-calling sample. named: the text is the
     arguments, streamed as it comes; required/auto: parsed once the sample has finished."""
     if plan.mode == "named":
@@ -105,7 +110,7 @@ def _tool_deltas(plan: ToolPlan, sample, text: str, call_ids: dict[int, str]) ->
                                 "function": {"name": plan.name, "arguments": text}}]}
     if sample.finish_reason is None:
         return {}
-    content, calls = plan.calls(sample.text)
+    content, calls = plan.calls(full_text) if full_text else (None, [])
     call_ids[sample.index] = "parsed" if calls else ""
     delta: dict = {"content": content} if content else {}
     if calls:
@@ -114,9 +119,10 @@ def _tool_deltas(plan: ToolPlan, sample, text: str, call_ids: dict[int, str]) ->
 
 
 async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
-                  created: int, plan: ToolPlan | None) -> AsyncIterator[str]:
+                  created: int, plan: ToolPlan | None, reasoning: bool) -> AsyncIterator[str]:
     finished: set[int] = set()
     call_ids: dict[int, str] = {}
+    reasoners = {j: ReasoningStream() for j in range(body.n)} if reasoning else {}
 
     def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
         # Plain dicts: a pydantic model per streamed token costs more than the token's other work.
@@ -143,12 +149,21 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                 logprobs = ChatLogprobs(content=state.formatter.chat(entries)) if body.logprobs else None
                 if sample.finish_reason is not None:
                     finished.add(sample.index)
-                reason = sample.finish_reason
+                reason, thought = sample.finish_reason, ""
+                full_text = sample.text
+                if reasoning:
+                    reasoner = reasoners[sample.index]
+                    thought, text = reasoner.feed(text, sample.finish_reason is not None)
+                    full_text = reasoner.content
                 if plan is None:
                     delta = {"content": text} if text else {}
                 else:
-                    delta = _tool_deltas(plan, sample, text, call_ids)
+                    delta = _tool_deltas(plan, sample, text, full_text, call_ids)
                     reason = _finish_reason(reason, [1] if call_ids.get(sample.index) else [])
+                if thought:
+                    delta = {"reasoning_content": thought, "reasoning": thought, **delta}
+                if not (delta or sample.finish_reason or (tokens and body.logprobs)):
+                    continue
                 choices.append(choice(sample.index, delta, logprobs, reason,
                                       sample.stop_reason if sample.finish_reason else None))
             if choices:

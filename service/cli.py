@@ -16,6 +16,7 @@ from engine.engine_args import ENGINE_ARGS, EngineArg
 from engine.gguf.default_model import DEFAULT_MODEL_NAME, default_model_path
 from service.demo import DEFAULT_DEMO_DP, DEMOS, default_demo_path
 from service.state import ServeSettings
+from service.reasoning import REASONING_PARSERS
 from service.tools import TOOL_CALL_PARSERS
 
 SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)
@@ -85,6 +86,9 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                       help='parse tool calls out of the text for tool_choice "auto" (hermes: <tool_call>{...}'
                            '</tool_call>, Qwen and Hermes models); named and "required" tool_choice need no parser')
+    http.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                      help="return the model's <think>...</think> as message.reasoning_content (deepseek_r1: "
+                           "DeepSeek-R1, QwQ); content holds the answer only")
     http.add_argument("--enable-fault-injection", action="store_true",
                       help="mount POST /debug/faults (poison the KV cache on purpose, to test alerting); "
                            "without it the route does not exist")
@@ -162,7 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
         health_stall_timeout=args.health_stall_timeout, shutdown_timeout=args.shutdown_timeout,
         log_prompts=args.log_prompts, enable_fault_injection=args.enable_fault_injection,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     return run(config, AsyncEngineClient(config), settings, args.host, args.port)
 
 

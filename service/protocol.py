@@ -272,6 +272,8 @@ class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = []
+    reasoning_content: str | None = None  # --reasoning-parser: the model's thinking
+    reasoning: str | None = None          # the same, under the name newer clients read
 
 
 class ChatChoice(BaseModel):

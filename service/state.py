@@ -51,6 +51,7 @@ class ServeSettings:
     log_prompts: bool = False
     enable_fault_injection: bool = False
     tool_call_parser: str | None = None  # parses tool calls out of free text for tool_choice "auto"
+    reasoning_parser: str | None = None  # splits the model's thinking into reasoning_content
 
 
 class AppState:

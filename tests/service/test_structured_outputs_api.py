@@ -34,6 +34,7 @@ class Person(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc = ServerProcess(None, "--threads", "1", "--max-model-len", "1024", "--tool-call-parser", "hermes",
+                         "--reasoning-parser", "deepseek_r1",
                          log_dir=tmp_path_factory.mktemp("logs"))
     try:
         yield proc.wait_ready()
@@ -137,7 +138,9 @@ def test_auto_parses_hermes_and_tool_results_render(client):
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
     out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=48)
-    assert out.choices[0].message.content or out.choices[0].message.tool_calls
+    message = out.choices[0].message
+    # SmolLM2 does not think, so with --reasoning-parser deepseek_r1 (no </think>) all of it is reasoning.
+    assert message.reasoning_content and message.content is None and not message.tool_calls
     from service.tools import parse_hermes
     content, calls = parse_hermes('Sure. <tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n'
                                   '</tool_call>')
@@ -172,3 +175,28 @@ def test_completions_refuse_suffix_and_best_of(http):
     for extra, param in (({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of")):
         response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_reasoning_content_streams_as_it_is_returned(client):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    message = out.choices[0].message
+    assert message.reasoning_content and message.model_extra["reasoning"] == message.reasoning_content
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True)
+    deltas = [c.delta for chunk in stream for c in chunk.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == message.reasoning_content
+    assert not any(d.content for d in deltas)
+
+
+def test_reasoning_split_whole_and_streamed():
+    from service.reasoning import ReasoningStream, split_reasoning
+    for text, expected in (("<think>a\nb</think>\n\nAnswer", ("a\nb", "Answer")), ("x</think>y", ("x", "y")),
+                           ("<think>cut", ("cut", None)), ("x</th", ("x</th", None))):
+        assert split_reasoning(text) == expected
+        for step in (1, 2, 5):
+            stream, thought, answer = ReasoningStream(), "", ""
+            pieces = [text[i:i + step] for i in range(0, len(text), step)]
+            for i, piece in enumerate(pieces):
+                r, c = stream.feed(piece, i == len(pieces) - 1)
+                thought, answer = thought + r, answer + c
+            assert (thought or None, answer or None) == expected
