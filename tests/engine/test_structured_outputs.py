@@ -120,3 +120,17 @@ def test_compile_time_of_the_schemas(llm):
     elapsed = time.perf_counter() - start
     print(f"compiled {len(SCHEMAS)} JSON schemas in {elapsed * 1000:.1f} ms")
     assert elapsed < 30
+
+
+def test_dp2_grammar_lives_on_its_rank(llm):
+    # Rank 1 holds the constrained requests (its matchers live there), rank 0 the free ones; every
+    # output is what the single-rank engine gives. (Whether rank 1 stepped dummy batches once its
+    # short requests ended is not asserted: the client's stats read 0 here.)
+    prompts = [chat_ids(llm, "Tell me about the sea."), chat_ids(llm, "Pick a color. Answer in JSON.")]
+    params = [SamplingParams(temperature=0.0, max_tokens=32),
+              SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=json_spec(SCHEMAS[2][1]))]
+    single = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(model=default_model_path(), num_threads=1, data_parallel_size=2) as dp:
+        outputs = dp.generate(prompts + prompts, params + params, rank_of=[0, 1, 0, 1])
+        assert [o.outputs[0].token_ids for o in outputs] == single + single
+        jsonschema.validate(json.loads(outputs[1].outputs[0].text), SCHEMAS[2][1])
