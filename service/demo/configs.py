@@ -3,7 +3,6 @@ structure-changing fields, RoPE written both ways."""
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from typing import Any
 
