@@ -9,7 +9,6 @@ engine.ops.attention.paged_attention does, so a NaN in the null block propagates
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
