@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import jsonschema
 import pytest
@@ -111,15 +110,18 @@ def test_preemption_and_chunked_prefill_keep_the_grammar():
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
-def test_compile_time_of_the_schemas(llm):
+def test_compiled_grammars_are_cached_by_spec(llm):
+    """Every schema compiles, and compiling the same spec again is a cache hit (the same object):
+    a rank compiles each distinct spec once. Compile time is reported by the benchmarks, not asserted."""
     model = llm.config.model
     compiler = compiler_for(model.tokenizer, model.vocab_size, tuple(model.eos_token_ids))
-    start = time.perf_counter()
     for _, schema in SCHEMAS:
-        compiler.compile(StructuredOutputs(kind="json", spec=json.dumps(schema), any_whitespace=True))
-    elapsed = time.perf_counter() - start
-    print(f"compiled {len(SCHEMAS)} JSON schemas in {elapsed * 1000:.1f} ms")
-    assert elapsed < 30
+        spec = StructuredOutputs(kind="json", spec=json.dumps(schema), any_whitespace=True)
+        first = compiler.compile(spec)
+        assert compiler.compile(StructuredOutputs(kind="json", spec=json.dumps(schema), any_whitespace=True)) is first
+    other = compiler.compile(StructuredOutputs(kind="json", spec=json.dumps(SCHEMAS[0][1]), any_whitespace=False))
+    assert other is not compiler.compile(StructuredOutputs(kind="json", spec=json.dumps(SCHEMAS[0][1]),
+                                                           any_whitespace=True))
 
 
 def test_dp2_grammar_lives_on_its_rank(llm):
