@@ -14,6 +14,7 @@ from engine.gguf.default_model import default_model_path
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import GrammarError, compiler_for
 from engine.structured.spec import StructuredOutputs
+from service.demo import default_demo_path
 from tests.engine.structured_schemas import SCHEMAS
 
 MAX_TOKENS = 96
@@ -136,3 +137,25 @@ def test_dp2_grammar_lives_on_its_rank(llm):
         outputs = dp.generate(prompts + prompts, params + params, rank_of=[0, 1, 0, 1])
         assert [o.outputs[0].token_ids for o in outputs] == single + single
         jsonschema.validate(json.loads(outputs[1].outputs[0].text), SCHEMAS[2][1])
+
+
+def test_dp2_moe_mixed_batches_with_dummy_batches_running():
+    # The MoE demo at DP=2 steps in lockstep: rank 0's constrained and free requests end early,
+    # and it keeps stepping dummy batches (no grammar, no matcher) while rank 1 finishes a long
+    # free request. Every free request gets the tokens it gets without the constrained ones.
+    free_prompts = [[5, 6, 7, 8, 9], [9, 10, 11]]
+    free = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=1.0, seed=9, max_tokens=48)]
+    regex, choices = "(yes|no)-[0-9]{3}", ["alpha", "beta", "gamma"]
+    constrained = [SamplingParams(temperature=0.0, max_tokens=12,
+                                  structured_outputs=StructuredOutputs(kind="regex", spec=regex)),
+                   SamplingParams(temperature=1.0, seed=4, max_tokens=12,
+                                  structured_outputs=StructuredOutputs(kind="choice", spec=json.dumps(choices)))]
+    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2) as dp:
+        alone = [o.outputs[0].token_ids for o in dp.generate(free_prompts, free, rank_of=[0, 1])]
+        dummies_before = dp.engine.stats[0].dummy_batches
+        mixed = dp.generate(free_prompts + [[12, 13, 14], [15, 16]], free + constrained, rank_of=[0, 1, 0, 0])
+        dummies = dp.engine.stats[0].dummy_batches - dummies_before
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert re.fullmatch(regex, mixed[2].outputs[0].text), mixed[2].outputs[0].text
+    assert mixed[3].outputs[0].text in choices
+    assert dummies >= 20, f"rank 0 stepped {dummies} dummy batches while rank 1 finished"
