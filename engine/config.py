@@ -23,7 +23,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 NAN_SENTINEL_MODES = ("off", "null-block", "rolling", "full")  # what the KV cache scan covers
-NAN_POLICIES = ("count", "heal", "fail")  # what a NaN found in the cache triggers
+NAN_POLICIES = ("count", "heal", "fail")  # what a NaN (or a checksum mismatch) found in the cache triggers
+KV_CHECKSUM_MODES = ("off", "rolling", "full")  # which sealed blocks are re-verified each step
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,6 +198,9 @@ class EngineConfig:
     nan_scan_blocks_per_step: int = 32
     nan_scan_written_blocks: bool = False  # rolling mode: also scan every block the step wrote
     nan_policy: str = "count"  # one of NAN_POLICIES
+    kv_checksums: str = "rolling"  # one of KV_CHECKSUM_MODES
+    kv_checksum_blocks_per_step: int = 16  # rolling mode: blocks the verification sweep visits per step
+    strict_kv_writes: bool = False  # the KV writer refuses (skips) writes outside the step's blocks
     num_threads: int = 0  # torch threads per rank; 0 = cores / local ranks
 
     @property
@@ -240,6 +244,10 @@ class EngineConfig:
             raise ValueError(f"nan_sentinel: must be one of {', '.join(NAN_SENTINEL_MODES)}")
         if kwargs.get("nan_policy", cls.nan_policy) not in NAN_POLICIES:
             raise ValueError(f"nan_policy: must be one of {', '.join(NAN_POLICIES)}")
+        if kwargs.get("kv_checksums", cls.kv_checksums) not in KV_CHECKSUM_MODES:
+            raise ValueError(f"kv_checksums: must be one of {', '.join(KV_CHECKSUM_MODES)}")
+        if kwargs.get("kv_checksum_blocks_per_step", cls.kv_checksum_blocks_per_step) < 1:
+            raise ValueError("kv_checksum_blocks_per_step: must be >= 1")
         if num_gpu_blocks is None:
             per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
                          * model_config.num_layers)

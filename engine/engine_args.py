@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
+from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
 
 
 def config_default(name: str) -> Any:
@@ -77,4 +77,11 @@ ENGINE_ARGS = (
     EngineArg("nan_scan_written_blocks", "rolling mode: also scan every block the step wrote", group="NaN sentinel"),
     EngineArg("nan_policy", "on NaN/Inf in the cache: only count it, heal the block and fail the requests "
               "reading it, or fail and mark the server not ready", group="NaN sentinel", choices=NAN_POLICIES),
+    EngineArg("kv_checksums", "sealed KV blocks (full, then only read) get a checksum; which of them are "
+              "re-verified each step (a mismatch is finite corruption; --nan-policy says what follows)",
+              group="KV integrity", choices=KV_CHECKSUM_MODES),
+    EngineArg("kv_checksum_blocks_per_step", "rolling mode: blocks the verification sweep visits per step",
+              group="KV integrity"),
+    EngineArg("strict_kv_writes", "refuse (skip) cache writes outside the blocks the step's requests own, "
+              "instead of only counting them", group="KV integrity"),
 )

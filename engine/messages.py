@@ -52,9 +52,9 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class Fault(msgspec.Struct, tag=True):
     """Operator fault injection (only honoured with --enable-fault-injection)."""
-    kind: str  # "nan" | "inf" | "legacy_dummy"
+    kind: str  # "nan" | "inf" | "legacy_dummy" | "bitflip" | "stale_slot_dummy"
     layer: int = 0
-    block: int = 0
+    block: int = 0  # bitflip: -1 = a sealed block of the rank's choosing (the latest sealed)
     target: str = "k"  # k | v | latent
 
 
@@ -80,7 +80,13 @@ class StepStats(msgspec.Struct, array_like=True):
     heals: int = 0
     scan_seconds: list[float] = []
     scan_coverage_steps: int = 0
-    nan_policy_tripped: bool = False
+    nan_policy_tripped: bool = False  # --nan-policy fail tripped (by a NaN or a checksum mismatch)
+    foreign_writes: int = 0                          # cache writes outside the step's own blocks
+    checksum_mismatches: list[tuple[str, int]] = []  # (region, total): prefix_cache | running
+    sealed_blocks: int = 0                           # blocks holding a checksum now
+    checksum_coverage_steps: int = 0                 # steps within which every sealed block is verified
+    seal_seconds: list[float] = []                   # per step: hashing the blocks that sealed
+    verify_seconds: list[float] = []                 # per step: the verification sweep
 
 
 class RankReady(msgspec.Struct, tag=True):
