@@ -23,6 +23,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
+CHECKSUM_REGIONS = ("prefix_cache", "running")  # where a sealed block lives: cached for reuse, or in use
+
 StatsSource = Callable[[], dict[int, StepStats]]
 OpsSource = Callable[[], dict[int, dict[str, str]]]  # rank -> {op: implementation}
 
@@ -82,6 +84,28 @@ class EngineStatsCollector(Collector):
         yield self._gauge("kvsentry_kv_cache_scan_coverage_steps",
                           "Steps within which the sentinel scans every KV block at least once.",
                           stats, lambda s: s.scan_coverage_steps)
+        # Beyond NaN: finite corruption of sealed (full, immutable) blocks, and cache writes
+        # outside the blocks of the step's own requests.
+        mismatches = CounterMetricFamily("kvsentry_kv_cache_checksum_mismatches",
+                                         "Sealed KV blocks whose bytes no longer match their checksum "
+                                         "(finite corruption), by region (prefix_cache or running).",
+                                         labels=["model_name", "engine", "region"])
+        for rank, s in sorted(stats.items()):
+            # Every region from start-up, at 0, so that increase() sees the first mismatch.
+            totals = dict.fromkeys(CHECKSUM_REGIONS, 0) | dict(s.checksum_mismatches)
+            for region, total in totals.items():
+                mismatches.add_metric([self.model_name, str(rank), region], float(total))
+        yield mismatches
+        yield self._gauge("kvsentry_kv_cache_sealed_blocks",
+                          "KV blocks sealed (full, immutable) with a recorded checksum on a DP rank.",
+                          stats, lambda s: s.sealed_blocks)
+        yield self._gauge("kvsentry_kv_cache_checksum_coverage_steps",
+                          "Steps within which the checksum sweep verifies every sealed block at least once.",
+                          stats, lambda s: s.checksum_coverage_steps)
+        yield self._counter("kvsentry_kv_foreign_writes",
+                            "Cache writes whose slot fell outside the blocks the step's scheduled requests "
+                            "own (e.g. a stale slot buffer in a dummy or padded batch); must stay 0.",
+                            stats, lambda s: s.foreign_writes)
 
     def _labels(self, rank: int) -> list[str]:
         return [self.model_name, str(rank)]
@@ -170,6 +194,12 @@ class Metrics:
                                       "Duration of one NaN-sentinel scan of a rank's KV cache.",
                                       m + ["engine"], registry=r,
                                       buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))
+        self.checksum_seconds = Histogram("kvsentry_kv_cache_checksum_seconds",
+                                          "Time one step spent on KV block checksums of a rank: hashing "
+                                          "the blocks that sealed (phase=seal) or the verification "
+                                          "sweep (phase=verify).",
+                                          m + ["engine", "phase"], registry=r,
+                                          buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))
         r.register(EngineStatsCollector(model_name, stats))
         r.register(OpImplementationCollector(model_name, implementations))
         n = model_name
@@ -185,11 +215,17 @@ class Metrics:
         series.inc()
 
     def observe_stats(self, stats: StepStats) -> None:
-        """Every StepStats as it arrives: each scan duration is one histogram observation."""
+        """Every StepStats as it arrives: each scan, seal or verify duration is one histogram
+        observation."""
         if stats.scan_seconds:
             series = self.scan_seconds.labels(self.model_name, str(stats.rank))
             for seconds in stats.scan_seconds:
                 series.observe(seconds)
+        for phase, durations in (("seal", stats.seal_seconds), ("verify", stats.verify_seconds)):
+            if durations:
+                series = self.checksum_seconds.labels(self.model_name, str(stats.rank), phase)
+                for seconds in durations:
+                    series.observe(seconds)
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()
