@@ -25,9 +25,9 @@ async def inject_fault(body: FaultRequest, request: Request) -> StatusResponse:
     config = state.config
     if body.layer >= config.model.num_layers:
         raise APIError(400, f"layer must be < {config.model.num_layers}", "layer", "invalid_value")
-    if body.block >= config.num_blocks:
+    if body.block is not None and body.block >= config.num_blocks:
         raise APIError(400, f"block must be < {config.num_blocks}", "block", "invalid_value")
-    fault = Fault(kind=body.kind, layer=body.layer, block=body.block, target=body.target)
+    fault = Fault(kind=body.kind, layer=body.layer, block=body.fault_block(), target=body.target)
     try:
         await state.client.inject_fault(body.rank, fault)
     except ValueError as exc:

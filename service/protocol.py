@@ -364,8 +364,17 @@ class StatusResponse(BaseModel):
 
 
 class FaultRequest(StrictRequest):
+    """nan | inf: poison one value of `block`; legacy_dummy: the next dummy batch writes the
+    null block; bitflip: flip one bit of sealed `block` (finite corruption, no NaN);
+    stale_slot_dummy: the next dummy batch reuses the previous real step's slots."""
     rank: int = Field(0, ge=0)
-    kind: Literal["nan", "inf", "legacy_dummy"]
+    kind: Literal["nan", "inf", "legacy_dummy", "bitflip", "stale_slot_dummy"]
     layer: int = Field(0, ge=0)
-    block: int = Field(0, ge=0)
+    block: int | None = Field(None, ge=0)  # None: 0, or for bitflip the rank's latest sealed block
     target: Literal["k", "v", "latent"] = "k"
+
+    def fault_block(self) -> int:
+        """`Fault.block`: -1 asks the rank to pick a sealed block for a bitflip."""
+        if self.block is None:
+            return -1 if self.kind == "bitflip" else 0
+        return self.block

@@ -70,3 +70,53 @@ def test_a_running_server_without_the_flag_has_no_fault_route(server):
     response = httpx.post(server.url + "/debug/faults", content=b'{"kind": ', timeout=30,
                           headers={"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"})
     assert response.status_code == 404, response.text
+
+
+def post_faults(config: EngineConfig, *bodies: dict) -> tuple[list[httpx.Response], list]:
+    client, engine = client_for(config, enable=True)
+    with client:
+        responses = [client.post("/debug/faults", json=body) for body in bodies]
+    return responses, engine.faults
+
+
+def test_bitflip_and_stale_slot_dummy_reach_the_rank(config):
+    responses, faults = post_faults(config, {"kind": "bitflip"}, {"kind": "bitflip", "block": None},
+                                    {"kind": "bitflip", "layer": 1, "block": 5, "target": "v"},
+                                    {"rank": 0, "kind": "stale_slot_dummy"}, {"kind": "nan"})
+    assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
+    assert responses[0].json()["detail"]["kind"] == "bitflip"
+    assert [(rank, f.kind, f.layer, f.block, f.target) for rank, f in faults] == [
+        (0, "bitflip", 0, -1, "k"),   # no block: the rank flips a bit of its latest sealed block
+        (0, "bitflip", 0, -1, "k"),
+        (0, "bitflip", 1, 5, "v"),
+        (0, "stale_slot_dummy", 0, 0, "k"),
+        (0, "nan", 0, 0, "k"),        # no block is block 0, as before
+    ]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"kind": "bitflip", "block": 10**6}, "block"),
+    ({"kind": "bitflip", "block": -1}, "block"),   # -1 is the Fault's "rank picks", not the API's
+    ({"kind": "bitflip", "block": "3"}, "block"),
+    ({"kind": "bitflip", "layer": 99}, "layer"),
+    ({"kind": "nan", "block": 10**6}, "block"),
+    ({"kind": "stale_slot_dummy", "rank": -1}, "rank"),
+    ({"kind": "bitflp"}, "kind"),
+    ({"block": 3}, "kind"),
+], ids=["bitflip-block-too-large", "bitflip-negative-block", "bitflip-string-block", "bitflip-layer",
+        "nan-block-too-large", "negative-rank", "unknown-kind", "no-kind"])
+def test_invalid_faults_are_400_in_openai_shape(config, body, param):
+    [response], faults = post_faults(config, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+    assert error["param"] == param, error
+    assert not faults
+
+
+def test_bitflip_block_bound_is_the_cache_size(config):
+    responses, faults = post_faults(config, {"kind": "bitflip", "block": config.num_blocks - 1},
+                                    {"kind": "bitflip", "block": config.num_blocks})
+    assert [r.status_code for r in responses] == [200, 400]
+    assert f"< {config.num_blocks}" in responses[1].json()["error"]["message"]
+    assert [f.block for _, f in faults] == [config.num_blocks - 1]
