@@ -33,7 +33,8 @@ NAMESPACE = "kvsentry"  # what the overlays set; stands in for the downward API
 BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection", "--log-prompts",
                  "--enable-prefix-caching", "--no-enable-prefix-caching",
                  "--dummy-batch-random-inputs", "--no-dummy-batch-random-inputs",
-                 "--nan-scan-written-blocks", "--no-nan-scan-written-blocks"}
+                 "--nan-scan-written-blocks", "--no-nan-scan-written-blocks",
+                 "--strict-kv-writes", "--no-strict-kv-writes"}
 
 # The metric families kvsentry exports (Prometheus names, before _bucket/_sum/_count).
 KNOWN_METRICS = {
@@ -41,7 +42,10 @@ KNOWN_METRICS = {
     "kvsentry_null_block_writes_total", "kvsentry_dummy_batches_total",
     "kvsentry_padded_tokens_total", "kvsentry_corrupted_requests_total",
     "kvsentry_kv_cache_heals_total", "kvsentry_kv_cache_scan_seconds",
-    "kvsentry_kv_cache_scan_coverage_steps", "kvsentry_num_requests_running",
+    "kvsentry_kv_cache_scan_coverage_steps", "kvsentry_kv_cache_checksum_mismatches_total",
+    "kvsentry_kv_cache_sealed_blocks", "kvsentry_kv_cache_checksum_coverage_steps",
+    "kvsentry_kv_foreign_writes_total", "kvsentry_kv_cache_checksum_seconds",
+    "kvsentry_num_requests_running",
     "kvsentry_num_requests_waiting", "kvsentry_kv_cache_usage_perc",
     "kvsentry_prefix_cache_queries_total", "kvsentry_prefix_cache_hits_total",
     "kvsentry_num_preemptions_total", "kvsentry_prompt_tokens_total",
