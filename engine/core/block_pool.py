@@ -32,6 +32,9 @@ class BlockPool:
         # until they are evicted from the front.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(FIRST_USABLE_BLOCK_ID, num_blocks))
         self.cached: dict[bytes, int] = {}
+        # Blocks whose contents stopped being read-only since the last take_unsealed(): handed
+        # out again (about to be rewritten) or freed with no cached copy (nobody reads them).
+        self.unsealed: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,6 +55,7 @@ class BlockPool:
             block_id, _ = self.free_queue.popitem(last=False)
             self._uncache(block_id)
             self.ref_counts[block_id] = 1
+            self.unsealed.append(block_id)
             blocks.append(block_id)
         return blocks
 
@@ -71,6 +75,8 @@ class BlockPool:
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.unsealed.append(block_id)
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
@@ -79,6 +85,10 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
+
+    def take_unsealed(self) -> list[int]:
+        blocks, self.unsealed = self.unsealed, []
+        return blocks
 
     def drop_from_cache(self, block_id: int) -> None:
         """Forget a block's contents (a poisoned block must never be reused by a prefix hit)."""

@@ -5,6 +5,7 @@ Works on token ids only; detokenization and stop strings live in the front end
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -16,8 +17,11 @@ from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.validation import validate_request
+from engine.worker.checksums import BlockChecksums
 from engine.worker.sentinel import NaNSentinel
 from engine.structured.grammar import GrammarCompiler, compiler_for_model
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -29,6 +33,11 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config)
         self.sentinel = NaNSentinel(config, self.runner.kv_storage)
+        self.checksums = BlockChecksums(config, self.runner.kv_storage)
+        self.checksum_mismatches = {"prefix_cache": 0, "running": 0}
+        self._sealing: list[int] = []  # blocks this step filled, sealed once the step is done
+        # MoE at DP > 1 steps in lockstep (engine/dp/rank.py): a rank may not run a forward alone.
+        self.lockstep = config.parallel.data_parallel_size > 1 and config.model.is_moe
         self.heals = 0
         self._eos_ids = frozenset(config.model.eos_token_ids)
         self.nan_policy_tripped = False
@@ -70,8 +79,11 @@ class EngineCore:
         return outputs
 
     def inject_fault(self, fault) -> None:
-        from engine.worker.faults import inject
-        inject(self.runner, fault)
+        from engine.worker.faults import inject, stale_dummy_tokens
+        inject(self.runner, fault, self.checksums)
+        if fault.kind == "stale_slot_dummy" and not self.lockstep:
+            # Nothing else steps dummy batches here: replay the broken one now.
+            self.run_dummy(self.config.padded_num_tokens(stale_dummy_tokens(self.runner)))
 
     @property
     def has_unfinished(self) -> bool:
@@ -92,6 +104,8 @@ class EngineCore:
                 self.steps -= 1
                 self.run_dummy(num_padded)
             return outputs + self.take_pending()
+        # Blocks the scheduler just handed out lose their checksums before the step rewrites them.
+        self.checksums.unseal(self.scheduler.kv.pool.take_unsealed())
         num_padded = num_padded or self.config.padded_num_tokens(sched.num_tokens)
         self.padded_tokens += num_padded - sched.num_tokens
         result = self.runner.execute(sched, num_padded)
@@ -110,10 +124,21 @@ class EngineCore:
         self._watch_cache(None)
 
     def _watch_cache(self, written_slots: torch.Tensor | None) -> None:
-        """Run the sentinel over what this step wrote (None: nothing), then apply the NaN policy."""
+        """After a step: the NaN sentinel over what it wrote (None: nothing), the checksums of the
+        blocks it sealed and the checksum sweep; then the NaN policy for what they found."""
         poisoned = self.sentinel.step(written_slots, self.config.block_size)
+        pool = self.scheduler.kv.pool
+        self.checksums.seal(self._sealing)
+        self._sealing = []
+        self.checksums.unseal(pool.take_unsealed())  # freed by this step (finished, aborted)
+        mismatched = self.checksums.verify()
+        for block, layers in mismatched:
+            region = "prefix_cache" if pool.block_hash[block] is not None else "running"
+            self.checksum_mismatches[region] += 1
+            log.warning("rank %d: KV block %d (%s) changed after it was sealed, in layers %s",
+                        self.rank, block, region, layers)
         policy = self.config.nan_policy
-        if policy == "fail" and (poisoned or self.sentinel.null_block_poisoned):
+        if policy == "fail" and (poisoned or mismatched or self.sentinel.null_block_poisoned):
             self.nan_policy_tripped = True
         if policy != "heal":
             return
@@ -121,25 +146,31 @@ class EngineCore:
             self.sentinel.zero_block(NULL_BLOCK_ID)
             self.heals += 1
         for block in self.sentinel.poisoned_blocks():
-            self._heal_block(block)
+            self._heal_block(block, "kv cache block poisoned")
+        for block, _ in mismatched:
+            self._heal_block(block, "kv cache block checksum mismatch")
 
-    def _heal_block(self, block: int) -> None:
+    def _heal_block(self, block: int, reason: str) -> None:
         """Abort every request reading `block` with "error", forget and zero the block."""
         owners = [r for r in list(self.scheduler.requests.values()) if block in r.block_ids]
         for request in owners:
             self.corrupted_requests += 1
-            self.scheduler.finish(request, "error", "kv cache block poisoned")
+            self.scheduler.finish(request, "error", reason)
             self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
-                                                  finish_reason="error", stop_reason="kv cache block poisoned"))
+                                                  finish_reason="error", stop_reason=reason))
         self.scheduler.kv.pool.drop_from_cache(block)
         self.sentinel.zero_block(block)
+        self.checksums.unseal([block])
         self.heals += 1
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         max_len = self.config.max_model_len
+        block_size = self.config.block_size
         for request, num_new in sched.scheduled:
+            full_before = request.num_computed_tokens // block_size
             request.num_computed_tokens += num_new
+            self._sealing += request.block_ids[full_before:request.num_computed_tokens // block_size]
             self.scheduler.kv.cache_computed_blocks(request)
             prompt_lps = result.prompt_logprobs.get(request.key)
             first_chunk = request.prompt_logprobs_sent == 1
@@ -194,6 +225,7 @@ class EngineCore:
 
     def stats(self) -> StepStats:
         kv = self.scheduler.kv
+        seal_seconds, verify_seconds = self.checksums.take_seconds()
         return StepStats(
             rank=self.rank, steps=self.steps, dummy_batches=self.dummy_batches,
             padded_tokens=self.padded_tokens, num_running=len(self.scheduler.running),
@@ -206,4 +238,8 @@ class EngineCore:
             nan_detections=list(self.sentinel.detections.items()),
             heals=self.heals, scan_seconds=self.sentinel.take_scan_seconds(),
             scan_coverage_steps=self.sentinel.coverage_steps,
-            nan_policy_tripped=self.nan_policy_tripped)
+            nan_policy_tripped=self.nan_policy_tripped,
+            foreign_writes=int(self.runner.write_guard.foreign_writes.item()),
+            checksum_mismatches=list(self.checksum_mismatches.items()),
+            sealed_blocks=self.checksums.num_sealed, checksum_coverage_steps=self.checksums.coverage_steps,
+            seal_seconds=seal_seconds, verify_seconds=verify_seconds)

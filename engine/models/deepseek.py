@@ -136,7 +136,7 @@ class MLAAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)                      # [T, kv_lora_rank]
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)       # [T, H, rope], [T, rope]
         cache = ctx.kv_caches[self.layer_index]               # [num_blocks, block_size, kv_lora_rank + rope]
-        write_mla(kv_c, k_pe, cache, ctx.meta.slot_mapping, ctx.null_block_writes)
+        write_mla(kv_c, k_pe, cache, ctx.meta.slot_mapping, ctx.null_block_writes, guard=ctx.write_guard)
         out = self._decode(q_nope, q_pe, cache, ctx.meta)
         self._prefill(q_nope, q_pe, cache, ctx.meta, out)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))

@@ -13,6 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.ops.attention import AttentionMetadata
+from engine.ops.write_guard import WriteGuard
 from engine.models.cpu_gemm import PackedLinear, fused_linear
 
 
@@ -22,6 +23,7 @@ class StepContext:
     meta: AttentionMetadata
     kv_caches: list[Any]               # per layer: (k_cache, v_cache) or an MLA latent cache
     null_block_writes: torch.Tensor    # [1] int64, writes that landed in block 0
+    write_guard: WriteGuard | None = None  # the blocks this step may write; counts foreign writes
 
 
 class RMSNorm(nn.Module):

@@ -67,7 +67,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, ctx.null_block_writes)
+        write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, ctx.null_block_writes, guard=ctx.write_guard)
         out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 

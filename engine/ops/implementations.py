@@ -30,6 +30,8 @@ KERNELS = {
     "paged_attention": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
     # The cache writers (reshape_and_cache_flash, concat_and_cache_mla): csrc/cache_kernels.cu.
     "kv_writer": Kernel("cuda_kernel", "cuda", lambda: cuda_ops.available()),
+    # Sealed-block checksums: csrc/cpu_checksum.cpp (on a GPU the torch reference runs on the device).
+    "kv_checksum": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
 }
 
 

@@ -2,7 +2,8 @@
 
 Both ops skip `slot < 0` (PAD_SLOT_ID), so padded and dummy tokens write
 nothing, and both count the writes whose slot falls in the null block (block
-0), which must stay zero for the engine's whole life. On CUDA they dispatch to
+0), which must stay zero for the engine's whole life. Given the step's WriteGuard, they
+also count the writes outside the blocks the step's requests own (engine/ops/write_guard.py). On CUDA they dispatch to
 the kernels in csrc/ (engine/ops/cuda_ops.py); everywhere else to the torch
 references below, which define the semantics the kernels must match bit for bit.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.ops.write_guard import WriteGuard
 from engine.paging import block_of_slot, null_block_hits, offset_in_block
 
 
@@ -82,7 +84,9 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> None:
+             scale: torch.Tensor | None = None, guard: WriteGuard | None = None) -> None:
+    if guard is not None:  # count (and, strict, drop) writes outside the step's blocks, on the device
+        slot_mapping = guard.check(slot_mapping)
     if k_cache.is_cuda:
         from engine.ops import cuda_ops
         if cuda_ops.available():
@@ -93,7 +97,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
-              scale: torch.Tensor | None = None) -> None:
+              scale: torch.Tensor | None = None, guard: WriteGuard | None = None) -> None:
+    if guard is not None:
+        slot_mapping = guard.check(slot_mapping)
     if kv_cache.is_cuda:
         from engine.ops import cuda_ops
         if cuda_ops.available():

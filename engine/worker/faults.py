@@ -1,5 +1,7 @@
-"""Operator fault injection (behind --enable-fault-injection): poison the cache on purpose,
-or run the next dummy batch the old broken way, to test detection and alerting end to end."""
+"""Operator fault injection (behind --enable-fault-injection): poison the cache on purpose
+(NaN, Inf, or one flipped bit in a sealed block), or run the next dummy batch the old
+broken way (slots in the null block, NaN activations) or with a stale slot buffer, to test
+detection and alerting end to end."""
 from __future__ import annotations
 
 import torch
@@ -9,15 +11,19 @@ from engine.worker.batch_builder import BatchBuilder, StepBatch
 from engine.worker.kv_cache import layer_tensors
 
 
-def inject(runner, fault: Fault) -> None:
-    if fault.kind == "legacy_dummy":
-        if not isinstance(runner.builder, LegacyDummyOnce):  # armed twice is still one broken batch
-            runner.builder = LegacyDummyOnce(runner)
+def inject(runner, fault: Fault, checksums=None) -> None:
+    if fault.kind in ("legacy_dummy", "stale_slot_dummy"):
+        broken = LegacyDummyOnce if fault.kind == "legacy_dummy" else StaleSlotDummyOnce
+        if not isinstance(runner.builder, (LegacyDummyOnce, StaleSlotDummyOnce)):  # armed twice: still one batch
+            runner.builder = broken(runner)
         return
-    if fault.kind not in ("nan", "inf"):
-        raise ValueError(f"kind: unknown fault {fault.kind!r} (nan, inf, legacy_dummy)")
+    if fault.kind not in ("nan", "inf", "bitflip"):
+        raise ValueError(f"kind: unknown fault {fault.kind!r} (nan, inf, bitflip, legacy_dummy, stale_slot_dummy)")
     if not 0 <= fault.layer < len(runner.kv_caches):
         raise ValueError(f"layer: must be in [0, {len(runner.kv_caches)})")
+    if fault.kind == "bitflip":
+        flip_bit(checksums, fault)
+        return
     tensors = layer_tensors(runner.kv_caches[fault.layer])
     if not 0 <= fault.block < tensors[0].shape[0]:
         raise ValueError(f"block: must be in [0, {tensors[0].shape[0]})")
@@ -62,3 +68,44 @@ def nan_activations_once(model: torch.nn.Module) -> None:
         return torch.full_like(output, float("nan"))
 
     handle = model.get_input_embeddings().register_forward_hook(to_nan)
+
+
+class StaleSlotDummyOnce:
+    """Stands in for the runner's batch builder until the next dummy batch, which it builds
+    with the slot buffer the previous real step left behind instead of refilling it with
+    PAD_SLOT_ID: the dummy's finite keys and values land in blocks that belong to other
+    requests. No NaN appears; the foreign-write counter (and, in a sealed block, the
+    checksum sweep) must catch it."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.builder: BatchBuilder = runner.builder
+
+    def __getattr__(self, name: str):
+        return getattr(self.builder, name)
+
+    def build_dummy(self, num_padded: int) -> StepBatch:
+        self.runner.builder = self.builder  # one shot
+        stale = self.builder.slot_mapping[:num_padded].clone()  # [num_padded] before the refill
+        batch = self.builder.build_dummy(num_padded)
+        batch.meta.slot_mapping = stale.to(batch.meta.slot_mapping.device)
+        return batch
+
+
+def stale_dummy_tokens(runner) -> int:
+    """Tokens a replayed stale dummy batch needs to cover every slot the buffer still holds."""
+    return max(1, int((runner.builder.slot_mapping >= 0).sum()))
+
+
+def flip_bit(checksums, fault: Fault) -> None:
+    """Flip the lowest bit of the first word of (layer, block, target): a finite change."""
+    block = checksums.latest_sealed if fault.block == -1 else fault.block
+    if block is None or not checksums.enabled:
+        raise ValueError("block: this rank has no sealed block to flip a bit in (or --kv-checksums off)")
+    if not 0 <= block < checksums.num_blocks or not checksums.sealed[block]:
+        raise ValueError(f"block: {block} is not a sealed block")
+    words = checksums.words[block, fault.layer]  # [chunks, words] int32
+    chunk = {"k": 0, "latent": 0, "v": words.shape[0] // 2}.get(fault.target)
+    if chunk is None:
+        raise ValueError("target: must be k, v or latent")
+    words[chunk, 0] ^= 1

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.ops import cpu_ops
+from engine.ops.write_guard import WriteGuard
 from engine.worker.batch_builder import BatchBuilder, StepBatch
 from engine.config import EngineConfig
 from engine.worker.kv_cache import allocate_kv_storage, layer_views
@@ -35,23 +36,27 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # Device-side count of cache writes whose slot fell in the null block.
         self.null_block_writes = torch.zeros(1, dtype=torch.int64, device=config.device)
+        self.write_guard = WriteGuard(config.num_blocks, config.block_size, config.device, config.strict_kv_writes)
         if torch.device(config.device).type == "cpu":
             cpu_ops.available()  # build (or load) the CPU attention kernel now, not inside a step
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]
-        ctx = StepContext(meta=batch.meta, kv_caches=self.kv_caches, null_block_writes=self.null_block_writes)
+        ctx = StepContext(meta=batch.meta, kv_caches=self.kv_caches, null_block_writes=self.null_block_writes,
+                          write_guard=self.write_guard)
         return self.model(batch.input_ids, batch.positions, ctx)
 
     def run_dummy(self, num_padded: int) -> torch.Tensor:  # [num_padded] int64
         """Step a dummy batch; returns the slot mapping it ran with (all PAD_SLOT_ID: no writes)."""
         batch = self.builder.build_dummy(num_padded)
+        self.write_guard.begin_step([])  # a dummy batch owns no block
         self.forward(batch)
         return batch.meta.slot_mapping
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, num_padded: int | None = None) -> RunnerOutput:
         batch = self.builder.build(sched, num_padded)
+        self.write_guard.begin_step(writable_blocks(sched, self.config.block_size))
         hidden = self.forward(batch)
         out = RunnerOutput(written_slots=batch.meta.slot_mapping[:batch.meta.num_tokens])
         requests = [r for r, _ in sched.scheduled]
@@ -93,3 +98,13 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
             targets = request.all_token_ids[begin + 1:last + 1]
             out.prompt_logprobs[request.key] = token_logprobs(logprobs, targets, num_top)
+
+
+def writable_blocks(sched: SchedulerOutput, block_size: int) -> list[int]:
+    """The blocks a step may write, from the scheduler's view alone (not the slot buffer):
+    each scheduled request's blocks over the positions it computes."""
+    blocks: list[int] = []
+    for request, num_new in sched.scheduled:
+        first = request.num_computed_tokens
+        blocks += request.block_ids[first // block_size:(first + num_new - 1) // block_size + 1]
+    return blocks

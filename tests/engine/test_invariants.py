@@ -1,4 +1,5 @@
-"""docs/design.md invariants 1-4 as properties over random request mixes and step sequences."""
+"""docs/design.md invariants 1-4 as properties over random request mixes and step sequences, with
+the KV integrity counters (foreign writes, sealed-block checksum mismatches) at 0 throughout."""
 from __future__ import annotations
 
 import random
@@ -54,14 +55,14 @@ def path(checkpoint):
 def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy, monkeypatch):
     config = EngineConfig.create(path, max_model_len=128, block_size=BLOCK, num_gpu_blocks=24,
                                  max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=prefix,
-                                 dummy_batch_random_inputs=random_dummy)
+                                 dummy_batch_random_inputs=random_dummy, kv_checksums="full")
     core = EngineCore(config)
     written: list[torch.Tensor] = []
     real_write = llama_module.write_kv
 
-    def recording_write(key, value, k_cache, v_cache, slot_mapping, counter=None):
+    def recording_write(key, value, k_cache, v_cache, slot_mapping, counter=None, **kwargs):
         written.append(slot_mapping[slot_mapping >= 0].clone())
-        real_write(key, value, k_cache, v_cache, slot_mapping, counter)
+        real_write(key, value, k_cache, v_cache, slot_mapping, counter, **kwargs)
 
     monkeypatch.setattr(llama_module, "write_kv", recording_write)
     rng = random.Random(seed)
@@ -86,14 +87,19 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
         # ... and no stale slot survives anywhere past them in the persistent buffer.
         assert bool((core.runner.builder.slot_mapping[sched.num_tokens:] == PAD_SLOT_ID).all())
         assert not torch.any(core.runner.builder.block_tables[sched.num_reqs:])
+        # Every full block of a live request carries a checksum.
+        for request in core.scheduler.requests.values():
+            full = request.block_ids[:request.num_computed_tokens // BLOCK]
+            assert all(core.checksums.sealed[b] for b in full), "a full block was not sealed"
 
     for kind, a, b in plan:
         if kind == "add":
             prompt = (stems[a % 3][: a % 13] + [rng.randrange(5, 500) for _ in range(a)])[:a] or [7]
             rid = f"r{len(ids)}"
             ids.append(rid)
-            core.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=b, ignore_eos=True,
-                                                                        temperature=0.0)))
+            n = 2 if a % 5 == 0 else 1  # n > 1: the samples share the prompt's blocks
+            core.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=b, ignore_eos=True, n=n,
+                                                                        temperature=0.0 if n == 1 else 1.0)))
         elif kind == "step":
             for _ in range(a):
                 if core.has_unfinished:
@@ -116,3 +122,8 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
     assert_null_block_zero(core)
     assert core.scheduler.kv.pool.num_free_blocks == config.num_blocks - 1
     assert core.runner.null_block_writes.item() == 0
+    # Every sealed block was re-verified every step (kv_checksums="full"): nothing a legitimate
+    # schedule does (preemption, prefix hits, n > 1, chunks, aborts, dummies) writes a sealed
+    # block or a block the step does not own.
+    assert core.runner.write_guard.foreign_writes.item() == 0
+    assert sum(core.checksum_mismatches.values()) == 0

@@ -1,0 +1,144 @@
+"""Corruption that is not a NaN: sealed-block checksums find a flipped bit within their promised
+bound with the right labels, the foreign-write counter counts a stale-slot dummy batch in the step
+it runs, --strict-kv-writes refuses it, and the heal policy recomputes a corrupted prefix to the
+same tokens as a clean run. Dense (llama) and MLA (deepseek) caches."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.messages import EngineRequest, Fault
+from engine.sampling_params import SamplingParams
+from engine.worker.kv_cache import layer_tensors
+
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def make_core(path: str, **kwargs) -> EngineCore:
+    args = dict(max_model_len=256, block_size=BLOCK, num_gpu_blocks=40, kv_checksum_blocks_per_step=4)
+    args.update(kwargs)
+    return EngineCore(EngineConfig.create(path, **args))
+
+
+def cache_bytes(core: EngineCore) -> list[torch.Tensor]:
+    return [t.clone().view(torch.uint8) for entry in core.runner.kv_caches for t in layer_tensors(entry)]
+
+
+def drain(core: EngineCore) -> list:
+    outs = []
+    while core.has_unfinished:
+        outs += core.step()
+    return outs
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(length)]
+
+
+def mismatches(core: EngineCore) -> dict[str, int]:
+    return {region: n for region, n in core.stats().checksum_mismatches if n}
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3"])
+def path(request, checkpoint):
+    return checkpoint(request.param)
+
+
+@pytest.mark.parametrize("prefix_caching, region", [(True, "prefix_cache"), (False, "running")])
+def test_bit_flip_in_any_sealed_block_is_found_within_the_coverage_bound(path, prefix_caching, region):
+    core = make_core(path, enable_prefix_caching=prefix_caching)
+    layers = core.config.model.num_layers
+    targets = ["latent"] if core.config.model.is_mla else ["k", "v"]
+    rng = random.Random(0)
+    for trial in range(6):
+        # One long request keeps its sealed blocks alive (running) while others come and go.
+        core.add_request(EngineRequest(f"keep{trial}", prompt(trial, 5 * BLOCK + 3),
+                                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)))
+        for _ in range(3):
+            core.step()
+        sealed = [b for b in core.scheduler.requests[f"keep{trial}#0"].block_ids if core.checksums.sealed[b]]
+        assert sealed, "a running request with 5 full blocks has sealed blocks"
+        block, layer, target = rng.choice(sealed), rng.randrange(layers), rng.choice(targets)
+        before = mismatches(core).get(region, 0)
+        core.inject_fault(Fault(kind="bitflip", layer=layer, block=block, target=target))
+        for step in range(core.checksums.coverage_steps):
+            core.step() if core.has_unfinished else core.idle_scan()
+            if mismatches(core).get(region, 0) > before:
+                break
+        else:
+            pytest.fail(f"flip in block {block} not found within {core.checksums.coverage_steps} steps")
+        assert mismatches(core) == {region: before + 1}
+        assert not core.checksums.sealed[block]  # reported once
+        drain(core)
+    stats = core.stats()
+    assert stats.nan_detections == [("null_block", 0), ("allocated", 0)]  # finite corruption: no NaN
+    assert stats.foreign_writes == 0
+
+
+def test_the_flipped_layer_is_named(path, caplog):
+    core = make_core(path, kv_checksums="full")
+    core.add_request(EngineRequest("a", prompt(1, 3 * BLOCK), GREEDY))
+    core.step()
+    block = core.checksums.latest_sealed
+    layer = core.config.model.num_layers - 1
+    core.inject_fault(Fault(kind="bitflip", layer=layer, block=-1, target="latent" if core.config.model.is_mla else "v"))
+    with caplog.at_level("WARNING"):
+        core.step()
+    assert f"KV block {block} (prefix_cache) changed after it was sealed, in layers [{layer}]" in caplog.text
+
+
+def test_bit_flip_needs_a_sealed_block(path):
+    core = make_core(path)
+    with pytest.raises(ValueError, match="no sealed block"):
+        core.inject_fault(Fault(kind="bitflip", block=-1))
+    with pytest.raises(ValueError, match="not a sealed block"):
+        core.inject_fault(Fault(kind="bitflip", block=3))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_stale_slot_dummy_is_a_foreign_write_in_the_step_it_runs(path, strict):
+    core = make_core(path, kv_checksums="full", strict_kv_writes=strict)
+    core.add_request(EngineRequest("a", prompt(2, 2 * BLOCK), GREEDY))  # prefill fills (seals) 2 blocks
+    core.step()
+    stale = int((core.runner.builder.slot_mapping >= 0).sum())
+    assert stale == 2 * BLOCK and core.checksums.num_sealed == 2
+    before = cache_bytes(core)
+    core.inject_fault(Fault(kind="stale_slot_dummy"))  # DP=1: replayed at once
+    stats = core.stats()
+    assert stats.dummy_batches == 1
+    assert stats.foreign_writes == stale  # once per token, in that step
+    assert stats.nan_detections == [("null_block", 0), ("allocated", 0)]
+    unchanged = all(torch.equal(x, y) for x, y in zip(before, cache_bytes(core)))
+    if strict:
+        assert unchanged and not mismatches(core)
+    else:
+        # The dummy's finite keys and values overwrote both sealed blocks: the sweep saw it.
+        assert not unchanged and mismatches(core) == {"prefix_cache": 2}
+    drain(core)
+    assert core.stats().foreign_writes == stale  # real steps add nothing
+
+
+def test_heal_recomputes_a_corrupted_prefix_to_the_clean_tokens(path):
+    core = make_core(path, kv_checksums="full", nan_policy="heal")
+    shared = prompt(3, 3 * BLOCK + 2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    core.add_request(EngineRequest("clean", shared, params))
+    clean = [t for o in drain(core) for t in o.new_token_ids]
+    core.add_request(EngineRequest("victim", shared, params))
+    core.step()  # prefix hit on the cached blocks, which the victim now reads
+    block = core.scheduler.requests["victim#0"].block_ids[1]
+    block_hash = core.scheduler.kv.pool.block_hash[block]
+    assert block_hash is not None and core.checksums.sealed[block]
+    core.inject_fault(Fault(kind="bitflip", layer=0, block=block, target="latent" if core.config.model.is_mla else "k"))
+    outs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finish_reason] == [("victim", "error")]
+    assert core.scheduler.kv.pool.lookup(block_hash) is None  # left the prefix cache
+    assert mismatches(core) == {"prefix_cache": 1} and core.stats().corrupted_requests == 1
+    core.add_request(EngineRequest("again", shared, params))
+    assert [t for o in drain(core) for t in o.new_token_ids] == clean
