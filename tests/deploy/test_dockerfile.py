@@ -36,11 +36,11 @@ def from_lines(**overrides: str) -> list[tuple[str, str | None]]:
 
 
 def base_images() -> list[str]:
-    """External images (FROMs that do not name an earlier stage)."""
+    """External images (FROMs that do not name an earlier stage, nor the empty `scratch`)."""
     stages: set[str] = set()
     images = []
     for image, stage in from_lines():
-        if "${" not in image and image not in stages:
+        if "${" not in image and image not in stages and image != "scratch":
             images.append(image)
         stages.add(stage)
     return images
