@@ -85,8 +85,12 @@ class StaleSlotDummyOnce:
         return getattr(self.builder, name)
 
     def build_dummy(self, num_padded: int) -> StepBatch:
-        self.runner.builder = self.builder  # one shot
         stale = self.builder.slot_mapping[:num_padded].clone()  # [num_padded] before the refill
+        if not bool((stale >= 0).any()):
+            # A dummy batch already refilled the buffer since the last real step: stay armed
+            # until a real step leaves its slots behind again.
+            return self.builder.build_dummy(num_padded)
+        self.runner.builder = self.builder  # one shot
         batch = self.builder.build_dummy(num_padded)
         batch.meta.slot_mapping = stale.to(batch.meta.slot_mapping.device)
         return batch

@@ -142,3 +142,23 @@ def test_heal_recomputes_a_corrupted_prefix_to_the_clean_tokens(path):
     assert mismatches(core) == {"prefix_cache": 1} and core.stats().corrupted_requests == 1
     core.add_request(EngineRequest("again", shared, params))
     assert [t for o in drain(core) for t in o.new_token_ids] == clean
+
+
+def test_dp2_lockstep_dummy_batches_write_nothing_foreign_until_a_stale_one_runs():
+    # The MoE demo at DP=2 steps in lockstep: rank 1, idle, runs dummy batches while rank 0 works.
+    # Clean: no foreign write, no mismatch on either rank with every sealed block verified every
+    # step. Then rank 1's next dummy batch is armed with its stale slot buffer: counted there only.
+    from engine.frontend.llm import LLM
+    from service.demo import default_demo_path
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, kv_checksums="full") as dp:
+        dp.generate([prompt(4, 3 * BLOCK), prompt(5, 20)], [long, GREEDY], rank_of=[0, 1])
+        clean = dp.engine.stats
+        assert clean[1].dummy_batches >= 20 and clean[0].sealed_blocks > 0
+        assert [(s.foreign_writes, sum(n for _, n in s.checksum_mismatches)) for s in clean.values()] == [(0, 0)] * 2
+        # Armed now; it fires on rank 1's first dummy batch after its next real step.
+        dp.engine.inject_fault(1, Fault(kind="stale_slot_dummy"))
+        dp.generate([prompt(6, 3 * BLOCK), prompt(7, 10)], [long, GREEDY], rank_of=[0, 1])
+        stats = dp.engine.stats
+        assert stats[0].foreign_writes == 0 and stats[1].foreign_writes >= 1
+        assert all(n == 0 for s in stats.values() for _, n in s.nan_detections)
