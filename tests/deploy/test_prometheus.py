@@ -16,6 +16,7 @@ ALERTS = PROMETHEUS / "alerts.yaml"
 RUNBOOK = DEPLOY / "RUNBOOK.md"
 DASHBOARD = DEPLOY / "grafana" / "kvsentry.json"
 REQUIRED_ALERTS = {"KVCacheNaNDetected", "KVCacheNullBlockWritten", "CorruptedRequests",
+                   "KVCacheChecksumMismatch", "KVCacheForeignWrite",
                    "KVSentryDown", "HighQueueWait"}
 
 

@@ -24,8 +24,9 @@ def test_a_disabled_kernel_is_reported_as_a_fallback(monkeypatch):
     monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
     ops = op_implementations("cpu")
     assert ops["paged_attention"] == TORCH_REFERENCE
-    assert falling_back(ops, "cpu") == ["paged_attention"]  # kv_writer has no CPU kernel: by design
-    assert describe(ops) == "paged_attention=torch_reference kv_writer=torch_reference"
+    # The checksum kernel is in the same library: disabled with it. kv_writer has no CPU kernel: by design.
+    assert falling_back(ops, "cpu") == ["paged_attention", "kv_checksum"]
+    assert describe(ops) == "paged_attention=torch_reference kv_writer=torch_reference kv_checksum=torch_reference"
 
 
 def test_the_ready_message_carries_them():
