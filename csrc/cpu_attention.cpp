@@ -43,6 +43,8 @@ namespace {
 using at::Tensor;
 
 constexpr const char* kOp = "kvsentry::paged_decode_attention";
+constexpr int64_t kMaxWideDim = 256;  // the wide path keeps a key row in registers
+constexpr int64_t kMaxSharedGroup = 8;  // query heads per KV head that share one V row load
 
 // s = sum_d a[d] * b[d], vectorised: 16 independent partial sums need no
 // reassociation of a single float sum, so -O3 vectorises them without -ffast-math.
@@ -115,6 +117,21 @@ inline vf16 load16(const scalar_t* p) {
   float tmp[16];
   for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
   return load16(tmp);
+}
+
+// bf16 -> float is the top half of the float's bits: widen the 16 raw halves and shift,
+// in vector registers (the generic path converts one element at a time through memory
+// and was most of the bf16 kernel's time). Exact, NaN and Inf included.
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+inline vf16 load16(const c10::BFloat16* p) {
+  vu16x16 halves;
+  std::memcpy(&halves, p, sizeof halves);
+  const vu32x16 bits = __builtin_convertvector(halves, vu32x16) << 16;
+  vf16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
 }
 
 // Tree sum of 16 lanes (a running scalar sum would be a 16-add dependency chain).
@@ -220,6 +237,25 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         }
         for (int64_t t = 0; t < block_size; ++t) {
           const int64_t pos = j * block_size + t;
+          if constexpr (kWide) {
+            // Load (and for bf16 widen) the key row once for the whole query group.
+            vf16 krow[kMaxWideDim / 16];
+            if (pos < len) {
+              for (int64_t c = 0; c < head_dim / 16; ++c) krow[c] = load16(kblock + t * ks1 + 16 * c);
+            }
+            for (int64_t g = 0; g < group; ++g) {
+              float s = kNegInf;
+              if (pos < len) {
+                const vf16* qv = reinterpret_cast<const vf16*>(&qf[g * head_dim]);
+                vf16 a = qv[0] * krow[0];
+                for (int64_t c = 1; c < head_dim / 16; ++c) a += qv[c] * krow[c];
+                s = hsum16(a) * scale;
+                top[g] = (s > top[g] || std::isnan(s)) ? s : top[g];
+              }
+              probs[g * span + pos] = s;
+            }
+            continue;
+          }
           for (int64_t g = 0; g < group; ++g) {
             float s = kNegInf;
             if (pos < len) {
@@ -240,8 +276,23 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       // Weighted values over every position read, masked ones with weight 0.
       if constexpr (kWide) {
         // One 16-lane output chunk at a time, accumulated in registers (two chains, to
-        // hide the FMA latency); a head's V rows stay in L2 across the chunks.
-        for (int64_t g = 0; g < group; ++g) {
+        // hide the FMA latency); a head's V rows stay in L2 across the chunks. Small query
+        // groups load (and widen) each V row once for the whole group.
+        if (group <= kMaxSharedGroup) {
+          for (int64_t c = 0; c < v_dim / 16; ++c) {
+            vf16 a[kMaxSharedGroup] = {};
+            for (int64_t j = 0; j < reads; ++j) {
+              const scalar_t* vblock =
+                  vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2 + 16 * c;
+              for (int64_t t = 0; t < block_size; ++t) {
+                const vf16 v = load16(vblock + t * vs1);
+                const float* pj = &probs[j * block_size + t];
+                for (int64_t g = 0; g < group; ++g) a[g] += pj[g * span] * v;
+              }
+            }
+            for (int64_t g = 0; g < group; ++g) std::memcpy(&acc[g * v_dim + 16 * c], &a[g], sizeof a[g]);
+          }
+        } else for (int64_t g = 0; g < group; ++g) {
           for (int64_t c = 0; c < v_dim / 16; ++c) {
             vf16 a0 = {}, a1 = {};
             for (int64_t j = 0; j < reads; ++j) {
@@ -358,7 +409,7 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
                 high.item<int32_t>(), "]");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    if (query.size(2) % 16 == 0 && value_cache.size(3) % 16 == 0) {
+    if (query.size(2) % 16 == 0 && query.size(2) <= kMaxWideDim && value_cache.size(3) % 16 == 0) {
       decode_attention<scalar_t, true>(out, query, key_cache, value_cache, block_tables, seq_lens, reads,
                                        num_read_blocks, static_cast<float>(scale));
     } else {
