@@ -162,3 +162,13 @@ def test_dp2_lockstep_dummy_batches_write_nothing_foreign_until_a_stale_one_runs
         stats = dp.engine.stats
         assert stats[0].foreign_writes == 0 and stats[1].foreign_writes >= 1
         assert all(n == 0 for s in stats.values() for _, n in s.nan_detections)
+
+
+def test_fail_policy_trips_on_a_mismatch(path):
+    core = make_core(path, kv_checksums="full", nan_policy="fail")
+    core.add_request(EngineRequest("a", prompt(8, 2 * BLOCK + 1), GREEDY))
+    core.step()
+    assert not core.stats().nan_policy_tripped
+    core.inject_fault(Fault(kind="bitflip", block=-1, target="latent" if core.config.model.is_mla else "v"))
+    core.step()
+    assert core.stats().nan_policy_tripped  # the front end's /ready answers 503 from here on
