@@ -16,7 +16,7 @@ from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionReques
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
-from service.structured import compile_or_refuse, request_grammar
+from service.structured import after_reasoning, compile_or_refuse, request_grammar
 from service.reasoning import ReasoningStream, split_reasoning
 from service.tools import ToolPlan, new_call_id, plan_tools, tool_messages
 
@@ -68,14 +68,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         compile_or_refuse(state, structured, "tools")
     else:
         structured = request_grammar(state, body)
+    reasoning = state.settings.reasoning_parser is not None
+    if reasoning and structured is not None:  # the grammar constrains the answer, not the thinking
+        structured = after_reasoning(state, structured)
     prompt = render_chat(state, body.messages, body.add_generation_prompt, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
                             logprobs=logprobs, param="messages", structured=structured)
     gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
     created = int(time.time())
-    # A grammar constrains the whole output, so a constrained answer has no reasoning to split off.
-    reasoning = state.settings.reasoning_parser is not None and structured is None
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created, plan, reasoning), on_close=gen.close_stream)
     if not await complete(request, gen):

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 from engine.structured.grammar import GrammarError, compiler_for_model
 from engine.structured.spec import StructuredOutputs
 from service.errors import bad_request
 from service.protocol import SamplingFields
+from service.reasoning import THINK_END
 from service.state import AppState
 
 
@@ -71,3 +74,11 @@ def request_grammar(state: AppState, body: SamplingFields) -> StructuredOutputs 
     if spec is not None:
         compile_or_refuse(state, spec, param)
     return spec
+
+
+def after_reasoning(state: AppState, spec: StructuredOutputs) -> StructuredOutputs:
+    """`spec`, applied only once the model has closed its thinking (--reasoning-parser): the
+    gate is the tokenizer's encoding of the closing tag (one special token in the models that
+    think, such as DeepSeek-R1 and Qwen3)."""
+    gate = tuple(state.tokenizer.encode(THINK_END, add_special_tokens=False))
+    return msgspec.structs.replace(spec, after_token_ids=gate)

@@ -11,6 +11,7 @@ import functools
 import json
 import re
 
+import msgspec
 import torch
 import xgrammar as xgr
 
@@ -64,7 +65,9 @@ class GrammarCompiler:
             raise GrammarError(f"{field}: cannot be compiled: {_strip_location(why)}") from None
 
     def matcher(self, spec: StructuredOutputs) -> "RequestGrammar":
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+        # The grammar is keyed without the gate: the same schema compiles once for every caller.
+        grammar = self.compile(msgspec.structs.replace(spec, after_token_ids=()))
+        return RequestGrammar(xgr.GrammarMatcher(grammar), spec.after_token_ids)
 
 
 def _strip_location(message: str) -> str:
@@ -74,18 +77,37 @@ def _strip_location(message: str) -> str:
 
 class RequestGrammar:
     """The matcher of one sample. `num_accepted` counts the output tokens it has taken, so a
-    preempted request whose outputs are recomputed is never advanced twice by the same token."""
+    preempted request whose outputs are recomputed is never advanced twice by the same token.
 
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    With a gate (`after`: the token ids that end a reasoning model's thinking), the matcher
+    is inactive -- no mask, no tokens fed -- until the output contains the gate; the grammar
+    then constrains what follows it, the answer."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, after: tuple[int, ...] = ()):
         self.matcher = matcher
         self.num_accepted = 0
+        self.after = list(after)
+        self.active = not after
 
     @property
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()
+
+    def _open_gate(self, output_token_ids: list[int]) -> None:
+        n = len(self.after)
+        # Only the newly produced tokens (and the n - 1 before them) can complete the gate.
+        for end in range(max(n, self.num_accepted + 1), len(output_token_ids) + 1):
+            if output_token_ids[end - n:end] == self.after:
+                self.active, self.num_accepted = True, end
+                return
+        self.num_accepted = len(output_token_ids)
 
     def accept(self, output_token_ids: list[int]) -> bool:
         """Advance over the outputs not yet accepted; False when the grammar refuses one."""
+        if not self.active:
+            self._open_gate(output_token_ids)
+            if not self.active:
+                return True
         for token in output_token_ids[self.num_accepted:]:
             if self.matcher.is_terminated() or not self.matcher.accept_token(token):
                 return False
@@ -99,7 +121,7 @@ class RequestGrammar:
 def apply_grammars(logits: torch.Tensor,  # [num_reqs, vocab] float32 on CPU, masked in place
                    grammars: list[RequestGrammar | None]) -> None:
     """Mask each grammar row's disallowed tokens to -inf, in one fill over the batch."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[-1])  # [num_reqs, ceil(vocab/32)] int32

@@ -21,6 +21,9 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
     # JSON only: let the model put whitespace between tokens. Off by default, so a small model
     # cannot spend its max_tokens on runs of spaces and newlines inside the object.
     any_whitespace: bool = False
+    # Reasoning models: the grammar applies only after these tokens (the end of the thinking,
+    # e.g. "</think>"); before them the output is free. Empty: from the first token.
+    after_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -159,3 +159,37 @@ def test_dp2_moe_mixed_batches_with_dummy_batches_running():
     assert re.fullmatch(regex, mixed[2].outputs[0].text), mixed[2].outputs[0].text
     assert mixed[3].outputs[0].text in choices
     assert dummies >= 20, f"rank 0 stepped {dummies} dummy batches while rank 1 finished"
+
+
+def test_a_gated_grammar_constrains_only_what_follows_the_gate(llm):
+    # A reasoning model's grammar waits for the end of its thinking. Here the "end of thinking"
+    # is a token the free greedy output emits anyway (its 4th): up to and including it the
+    # gated output is the free one; after it, the regex holds.
+    prompt = chat_ids(llm, "Tell me a story about a cat.")
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].token_ids
+    gate = free[3]
+    assert gate not in free[:3]
+    spec = StructuredOutputs(kind="regex", spec="[0-9]{3}", after_token_ids=(gate,))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec))[0].outputs[0]
+    assert out.token_ids[:4] == free[:4]
+    assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(out.token_ids[4:])), out.text
+    assert out.finish_reason == "stop"
+    # A gate that never comes leaves the whole output free.
+    never = StructuredOutputs(kind="regex", spec="[0-9]{3}", after_token_ids=(llm.config.model.vocab_size - 1,))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=never))[0]
+    assert out.outputs[0].token_ids == free
+
+
+def test_a_two_token_gate_split_across_steps_opens_once(llm):
+    compiler = compiler_for(llm.config.model.tokenizer, llm.config.model.vocab_size,
+                            tuple(sorted(set(llm.config.model.eos_token_ids))))
+    a, b = llm.tokenizer.encode("</think>", add_special_tokens=False)[:2]
+    digit = llm.tokenizer.encode("7", add_special_tokens=False)[0]
+    grammar = compiler.matcher(StructuredOutputs(kind="regex", spec="[0-9]", after_token_ids=(a, b)))
+    outputs = [b, a]  # b before a is not the gate
+    assert grammar.accept(outputs) and not grammar.active
+    outputs.append(b)  # ... a, b: open; nothing after it yet
+    assert grammar.accept(outputs) and grammar.active and not grammar.is_terminated
+    assert not grammar.accept(outputs + [a])  # the regex refuses a non-digit
+    grammar = compiler.matcher(StructuredOutputs(kind="regex", spec="[0-9]", after_token_ids=(a, b)))
+    assert grammar.accept([a, b, digit]) and grammar.active

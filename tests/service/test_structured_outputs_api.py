@@ -31,15 +31,26 @@ class Person(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=120)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(None, "--threads", "1", "--max-model-len", "1024", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "deepseek_r1",
+def start(tmp_path_factory, *flags: str):
+    proc = ServerProcess(None, "--threads", "1", "--max-model-len", "1024", *flags,
                          log_dir=tmp_path_factory.mktemp("logs"))
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from start(tmp_path_factory, "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """A server that splits <think>...</think> off (the default model does not think: its whole
+    output is reasoning, and a grammar waits for a closing tag that never comes)."""
+    for server in start(tmp_path_factory, "--reasoning-parser", "deepseek_r1"):
+        yield server.openai()
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +150,9 @@ def test_auto_parses_hermes_and_tool_results_render(client):
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
     out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=48)
     message = out.choices[0].message
-    # SmolLM2 does not think, so with --reasoning-parser deepseek_r1 (no </think>) all of it is reasoning.
-    assert message.reasoning_content and message.content is None and not message.tool_calls
+    # The tool result rendered through the template; the model answers in text (no <tool_call>).
+    assert message.content and message.reasoning_content is None and not message.tool_calls
+    assert out.choices[0].finish_reason in ("stop", "length")
     from service.tools import parse_hermes
     content, calls = parse_hermes('Sure. <tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n'
                                   '</tool_call>')
@@ -177,7 +189,8 @@ def test_completions_refuse_suffix_and_best_of(http):
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
-def test_reasoning_content_streams_as_it_is_returned(client):
+def test_reasoning_content_streams_as_it_is_returned(thinking):
+    client = thinking
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     message = out.choices[0].message
@@ -200,3 +213,16 @@ def test_reasoning_split_whole_and_streamed():
                 r, c = stream.feed(piece, i == len(pieces) - 1)
                 thought, answer = thought + r, answer + c
             assert (thought or None, answer or None) == expected
+
+
+def test_with_a_reasoning_parser_the_grammar_waits_for_the_end_of_thinking(thinking):
+    # The default model never closes a <think>: all of its output is thinking, which the JSON
+    # schema must not constrain (engine-level, tests/engine/test_structured_outputs.py shows the
+    # grammar taking over right after the closing tokens).
+    messages = [{"role": "user", "content": "Describe a person."}]
+    free = thinking.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS[0][1]}}
+    gated = thinking.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                             response_format=fmt)
+    assert gated.choices[0].message.reasoning_content == free.choices[0].message.reasoning_content
+    assert gated.choices[0].message.content is None
