@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine.dp.placement import check_device_name, check_placement, visible_cuda_devices
 from engine.gguf.hf_config import eos_token_ids, hf_config_from_gguf
 from engine.gguf.reader import is_gguf_path, read_gguf
 
@@ -258,6 +259,10 @@ class EngineConfig:
         if "pad_buckets" not in kwargs:
             kwargs["pad_buckets"] = default_pad_buckets(max_num_batched_tokens)
         local = data_parallel_size_local if data_parallel_size_local is not None else data_parallel_size
+        device = kwargs.get("device", cls.device)
+        check_device_name(device)
+        if device != "cpu":  # the ranks this node runs, one GPU each: refused here, before any starts
+            check_placement(device, local, visible_cuda_devices())
         parallel = ParallelConfig(
             data_parallel_size=data_parallel_size, data_parallel_rank=data_parallel_rank,
             data_parallel_size_local=local, data_parallel_start_rank=data_parallel_start_rank,

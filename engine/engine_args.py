@@ -56,7 +56,8 @@ ENGINE_ARGS = (
     EngineArg("kv_cache_memory", "KV cache budget per rank, e.g. 4GiB or 512MiB"),
     EngineArg("num_gpu_blocks", "number of KV cache blocks per rank; overrides --kv-cache-memory", type=int),
     EngineArg("dtype", "weights and activations dtype (auto = float32)", choices=("auto", "float32", "bfloat16")),
-    EngineArg("device", "where the ranks run", choices=("cpu", "cuda")),
+    EngineArg("device", "where the ranks run: cpu, cuda (local rank l on cuda:l of the visible GPUs) or "
+              "cuda:N (one local rank only)", type=str),
     EngineArg("enable_prefix_caching", "reuse KV blocks of identical prompt prefixes"),
     EngineArg("seed", "seed of requests that give none"),
     EngineArg("num_threads", "torch threads per rank (0: CPU cores / local ranks)", flag="--threads"),

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.dp.client import (ClientState, EngineDeadError, dead_process_reason, killed_process_reason,
-                              send_now, send_shutdown, spawn_local_ranks, stop_processes)
+from engine.dp.client import (ClientState, EngineDeadError, check_local_placement, dead_process_reason,
+                              killed_process_reason, send_now, send_shutdown, spawn_local_ranks, stop_processes)
 from engine.dp.rank import endpoints
 from engine.messages import EngineRequest, Fault, StepStats
 
@@ -22,6 +22,7 @@ from engine.messages import EngineRequest, Fault, StepStats
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, *, headless: bool = False):
+        check_local_placement(config)  # a bad placement fails here, before the server starts
         self.config = config
         self.state = ClientState(config)
         self.queues: dict[str, asyncio.Queue] = {}

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.dp.placement import check_placement, visible_cuda_devices
 from engine.dp.rank import endpoints, rank_identity, run_rank
 from engine.messages import (Abort, EngineCoreOutput, EngineMessage, EngineOutputs, EngineRequest,
                              Fault, RankFailed, RankReady, Shutdown, StepStats, Wake)
@@ -158,7 +159,15 @@ def send_shutdown(router: zmq.Socket, state: ClientState) -> None:
             pass
 
 
+def check_local_placement(config: EngineConfig) -> None:
+    """ValueError, before anything is bound or spawned, when this node's ranks cannot each
+    have a GPU of their own (two on one device, more ranks than visible devices)."""
+    if config.device != "cpu":
+        check_placement(config.device, config.parallel.data_parallel_size_local, visible_cuda_devices())
+
+
 def spawn_local_ranks(config: EngineConfig) -> list[mp.Process]:
+    check_local_placement(config)
     p = config.parallel
     ctx = mp.get_context("spawn")
     procs = []
@@ -201,6 +210,7 @@ class DPEngineClient:
     """Blocking client for the offline LLM: same surface as EngineCore (add_request/step/abort)."""
 
     def __init__(self, config: EngineConfig, ready_timeout: float = 300.0):
+        check_local_placement(config)
         self.config = config
         self.state = ClientState(config)
         self.ctx = zmq.Context()

@@ -10,6 +10,7 @@ for the next wave arrives.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
@@ -25,6 +26,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.dp.placement import process_group_backend, rank_device, visible_cuda_devices
 from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
                              RankReady, Shutdown, Wake)
 from engine.ops.implementations import op_implementations
@@ -126,9 +128,11 @@ class RankLoop:
         if not self.in_wave:
             return
         sched = core.schedule()
-        flags = torch.tensor([sched.num_tokens, int(core.has_unfinished)], dtype=torch.int64)
+        # On the rank's device: NCCL reduces only device tensors (gloo on CPU: a CPU tensor).
+        flags = torch.tensor([sched.num_tokens, int(core.has_unfinished)], dtype=torch.int64,
+                             device=core.config.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        max_tokens, anyone_busy = int(flags[0]), int(flags[1])
+        max_tokens, anyone_busy = flags.tolist()  # the step's one read-back
         if not anyone_busy and max_tokens == 0:
             self.in_wave = False
             self.wave += 1
@@ -159,6 +163,14 @@ def default_threads(config: EngineConfig) -> int:
     return max(1, (cores - 1) // local if cores > local else 1)
 
 
+def place_rank(config: EngineConfig, rank: int) -> EngineConfig:
+    """`config` as DP rank `rank` sees it, on its own device (engine/dp/placement.py)."""
+    p = config.parallel
+    device = rank_device(config.device, rank - p.data_parallel_start_rank, p.data_parallel_size_local,
+                         visible_cuda_devices() if config.device != "cpu" else 0)
+    return dataclasses.replace(config.for_rank(rank), device=device)
+
+
 def run_rank(config: EngineConfig, rank: int) -> None:
     """Entry point of a rank process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when ranks stop
@@ -171,10 +183,13 @@ def run_rank(config: EngineConfig, rank: int) -> None:
     outputs.connect(output_addr)
     inputs = None
     try:
+        config = place_rank(config, rank)  # refused here too, reported as RankFailed
+        if config.device != "cpu":
+            torch.cuda.set_device(config.device)  # kernels, NCCL and current_device() follow it
         size = config.parallel.data_parallel_size
         if size > 1:
-            dist.init_process_group("gloo", init_method=dist_addr, rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=120))
+            dist.init_process_group(process_group_backend(config.device), init_method=dist_addr, rank=rank,
+                                    world_size=size, timeout=datetime.timedelta(seconds=120))
         core = EngineCore(config)
         # Everything built so far (model, torch and library objects) lives as long as the
         # process: freeze it, so the collector stops re-walking it in every full
