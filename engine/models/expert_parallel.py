@@ -7,6 +7,10 @@ rank back the sum over all ranks' experts for that rank's tokens.
 
 Every rank must enter every collective of every step, padded and dummy tokens
 included -- that is why a busy DP group makes idle ranks run dummy batches.
+
+On NCCL (ranks on GPUs) the dispatch gathers into one device tensor and the combine is a
+reduce-scatter; on gloo (CPU) both keep the list all-gather and the all-reduce + slice. The
+token counts are read back once per step (in `step`), never per layer.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ class ExpertParallel:
         local = torch.tensor([num_tokens], dtype=torch.int64, device=self._device())
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local)
-        return [int(c.item()) for c in gathered]
+        return torch.cat(gathered).tolist()  # one read-back for all ranks' counts
 
     def _dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +101,7 @@ class ExpertParallel:
         packed = torch.cat([hidden,
                             topk_weights.float().contiguous().view(hidden.dtype),
                             topk_ids.to(torch.int32).contiguous().view(hidden.dtype)], dim=1)
-        rows = _gather_rows(packed, counts)  # [sum(counts), packed width]
+        rows = gather_rows(packed, counts, single_tensor=_nccl())  # [sum(counts), packed width]
         all_hidden = rows[:, :width]
         rest = rows[:, width:].contiguous()
         weight_width = rest.shape[1] // 2
@@ -107,35 +111,62 @@ class ExpertParallel:
         return all_hidden, all_ids, all_weights
 
     def _combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        max_count = max(counts)
-        mine = counts[self.rank]
-        if dist.get_backend() != "gloo":
-            chunks = _pad_chunks(partial, counts, max_count)  # [world * max_count, hidden]
-            out = partial.new_empty(max_count, partial.shape[1])
-            dist.reduce_scatter_tensor(out, chunks)
-            return out[:mine]
-        # gloo has no reduce_scatter: all-reduce everything and keep this rank's slice.
-        # Costs world_size x the bytes, which is fine on the CPU path this backend serves.
-        dist.all_reduce(partial)
-        start = sum(counts[:self.rank])
-        return partial[start:start + mine]
+        if _nccl():
+            return combine_reduce_scatter(partial, counts, self.rank)
+        return combine_all_reduce(partial, counts, self.rank)
 
     def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
 
 
-def _gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """All ranks' rows concatenated in rank order; pads to the largest count for the collective."""
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
+
+
+def combine_reduce_scatter(partial: torch.Tensor, counts: list[int], rank: int) -> torch.Tensor:
+    """This rank's rows of the sum over ranks of `partial` ([sum(counts), hidden], rank order):
+    one reduce-scatter of the rows padded to the largest count (the NCCL path)."""
+    max_count = max(counts)
+    chunks = _pad_chunks(partial, counts, max_count)  # [world * max_count, hidden]
+    out = partial.new_empty(max_count, partial.shape[1])
+    dist.reduce_scatter_tensor(out, chunks)
+    return out[:counts[rank]]
+
+
+def combine_all_reduce(partial: torch.Tensor, counts: list[int], rank: int) -> torch.Tensor:
+    """The same rows by all-reducing everything and keeping this rank's slice (the gloo path:
+    world_size x the bytes, which is fine on the CPU path this backend serves). In place."""
+    dist.all_reduce(partial)
+    start = sum(counts[:rank])
+    return partial[start:start + counts[rank]]
+
+
+def gather_rows(local: torch.Tensor, counts: list[int], single_tensor: bool = False) -> torch.Tensor:
+    """All ranks' rows concatenated in rank order; pads to the largest count for the collective.
+    `single_tensor`: gather straight into one [world * max_count, width] tensor (NCCL), instead
+    of a list of per-rank tensors joined afterwards (gloo)."""
     max_count = max(counts)
     padded = local
     if local.shape[0] < max_count:
         padded = torch.cat([local, local.new_zeros(max_count - local.shape[0], local.shape[1])])
-    gathered = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(gathered, padded.contiguous())
-    if all(c == max_count for c in counts):
-        return torch.cat(gathered)
+    if single_tensor:
+        joined = padded.new_empty(len(counts) * max_count, padded.shape[1])
+        _all_gather_single(joined, padded.contiguous())
+        gathered = list(joined.split(max_count))
+        if all(c == max_count for c in counts):
+            return joined
+    else:
+        gathered = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(gathered, padded.contiguous())
+        if all(c == max_count for c in counts):
+            return torch.cat(gathered)
     return torch.cat([g[:c] for g, c in zip(gathered, counts)])
+
+
+def _all_gather_single(output: torch.Tensor, local: torch.Tensor) -> None:
+    # all_gather_single is the newer name (torch >= 2.13 deprecates all_gather_into_tensor).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local)
 
 
 def _pad_chunks(rows: torch.Tensor, counts: list[int], max_count: int) -> torch.Tensor:

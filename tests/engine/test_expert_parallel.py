@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from service.demo.checkpoint import write_demo_checkpoint
 from engine.worker.loader import load_model
-from engine.models.expert_parallel import ExpertParallel
+from engine.models.expert_parallel import ExpertParallel, combine_all_reduce, combine_reduce_scatter, gather_rows
 from tests.engine.forward_harness import PagedRunner, engine_config, random_tokens
 
 WORLD = 2
@@ -170,3 +170,49 @@ def test_single_rank_runs_no_collectives(monkeypatch):
     with ep.step(3):
         out = ep.run_experts(lambda h, ids, w: h * 2, hidden, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
     assert torch.equal(out, hidden * 2)
+
+
+# -- the NCCL collectives against the gloo ones, on gloo where both run ------------------------------
+
+COUNT_CASES = ([3, 5], [4, 4], [0, 6], [2, 0], [1, 1])  # ragged, even, and a rank with no tokens
+
+
+def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+    results = []
+    for counts in COUNT_CASES:
+        gen = torch.Generator().manual_seed(rank * 100 + sum(counts))
+        local = torch.randn(counts[rank], 6, generator=gen)
+        partial = torch.randn(sum(counts), 6, generator=gen)  # this rank's experts over every rank's tokens
+        results.append({"list": gather_rows(local, counts), "single": gather_rows(local, counts, single_tensor=True),
+                        "reduce_scatter": combine_reduce_scatter(partial.clone(), counts, rank),
+                        "all_reduce": combine_all_reduce(partial.clone(), counts, rank), "partial": partial})
+    torch.save(results, Path(out_dir) / f"collectives{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_reduce_scatter_combine_and_single_tensor_gather_equal_the_gloo_paths(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_collectives_worker, args=(rank, port, str(tmp_path))) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    ranks = [torch.load(tmp_path / f"collectives{r}.pt") for r in range(WORLD)]
+    for i, counts in enumerate(COUNT_CASES):
+        total = ranks[0][i]["partial"] + ranks[1][i]["partial"]
+        for rank in range(WORLD):
+            got = ranks[rank][i]
+            assert torch.equal(got["single"], got["list"]), counts
+            assert got["list"].shape == (sum(counts), 6)
+            start = sum(counts[:rank])
+            assert torch.equal(got["reduce_scatter"], got["all_reduce"]), counts
+            assert torch.equal(got["all_reduce"], total[start:start + counts[rank]]), counts
