@@ -70,9 +70,20 @@ class JsonSchemaFormat(StrictRequest):
     strict: bool | None = None
 
 
+class StructuralTagItem(StrictRequest):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    begin: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
 class ResponseFormat(StrictRequest):
-    type: Literal["text", "json_object", "json_schema"]
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type structural_tag (vLLM's form): free text until a trigger, then one of the structures.
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsRequest(StrictRequest):
@@ -84,7 +95,7 @@ class StructuredOutputsRequest(StrictRequest):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True  # kvsentry's JSON is compact unless this is false
-    structural_tag: Unsupported = None
+    structural_tag: str | dict[str, Any] | None = None  # xgrammar's structural tag (JSON)
 
 
 class SamplingFields(StrictRequest):

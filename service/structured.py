@@ -26,6 +26,12 @@ def requested_grammar(body: SamplingFields) -> tuple[StructuredOutputs | None, s
             raise bad_request("structured_outputs: cannot be combined with response_format", "structured_outputs")
         if fmt.type == "json_object":
             return StructuredOutputs(kind="json_object"), "response_format"
+        if fmt.type == "structural_tag":
+            if not fmt.structures or not fmt.triggers:
+                raise bad_request("response_format: structural_tag needs structures and triggers", "response_format")
+            tag = {"structures": [{"begin": s.begin, "schema": s.schema_ or {}, "end": s.end} for s in fmt.structures],
+                   "triggers": fmt.triggers}
+            return StructuredOutputs(kind="structural_tag", spec=json.dumps(tag)), "response_format"
         if fmt.json_schema is None:
             raise bad_request("response_format.json_schema: required when type is json_schema",
                               "response_format.json_schema")
@@ -36,10 +42,12 @@ def requested_grammar(body: SamplingFields) -> tuple[StructuredOutputs | None, s
     if so is None:
         return None, None
     given = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                             ("grammar", so.grammar), ("json_object", so.json_object or None))
+                                             ("grammar", so.grammar), ("json_object", so.json_object or None),
+                                             ("structural_tag", so.structural_tag))
              if value is not None}
     if len(given) != 1:
-        raise bad_request("structured_outputs: set exactly one of json, regex, choice, grammar, json_object",
+        raise bad_request("structured_outputs: set exactly one of json, regex, choice, grammar, json_object, "
+                          "structural_tag",
                           "structured_outputs")
     (kind, value), = given.items()
     param = f"structured_outputs.{kind}"
@@ -54,6 +62,13 @@ def requested_grammar(body: SamplingFields) -> tuple[StructuredOutputs | None, s
             return StructuredOutputs(kind="json", spec=json.dumps(value), any_whitespace=whitespace), param
         if kind == "json_object":
             return StructuredOutputs(kind="json_object", any_whitespace=whitespace), param
+        if kind == "structural_tag":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise bad_request(f"{param}: is not valid JSON", param) from None
+            return StructuredOutputs(kind="structural_tag", spec=json.dumps(value)), param
         if kind == "choice":
             return StructuredOutputs.choice(value), param
         return StructuredOutputs(kind=kind, spec=value), param

@@ -57,12 +57,29 @@ class GrammarCompiler:
                 return self._compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
                 return self._compiler.compile_regex(choice_regex(json.loads(spec.spec)))
+            if spec.kind == "structural_tag":
+                return self._structural_tag(field, json.loads(spec.spec))
             return self._compiler.compile_grammar(spec.spec)
         except GrammarError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:
             why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GrammarError(f"{field}: cannot be compiled: {_strip_location(why)}") from None
+
+    def _structural_tag(self, field: str, tag) -> xgr.CompiledGrammar:
+        if not isinstance(tag, dict):
+            raise GrammarError(f"{field}: must be a JSON object")
+        if "structures" not in tag:  # xgrammar's own format
+            return self._compiler.compile_structural_tag(json.dumps(tag))
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers):
+            raise GrammarError(f"{field}: needs non-empty structures and triggers")
+        items = []
+        for s in structures:
+            if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)):
+                raise GrammarError(f"{field}: each structure needs begin and end strings")
+            items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}), end=s["end"]))
+        return self._compiler.compile_structural_tag(items, triggers)
 
     def matcher(self, spec: StructuredOutputs) -> "RequestGrammar":
         # The grammar is keyed without the gate: the same schema compiles once for every caller.

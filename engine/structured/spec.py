@@ -11,8 +11,10 @@ import msgspec
 
 # json: a JSON schema (a JSON document); json_object: any JSON object (spec unused);
 # regex: a regular expression; choice: a JSON list of strings, one of which is the output;
-# grammar: an EBNF (GBNF) grammar whose root rule is `root`.
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# grammar: an EBNF (GBNF) grammar whose root rule is `root`; structural_tag: xgrammar's structural
+# tag as JSON, either {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (vLLM's
+# form: free text until a trigger, then a tagged JSON) or xgrammar's {"type": "structural_tag", ...}.
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):

@@ -193,3 +193,21 @@ def test_a_two_token_gate_split_across_steps_opens_once(llm):
     assert not grammar.accept(outputs + [a])  # the regex refuses a non-digit
     grammar = compiler.matcher(StructuredOutputs(kind="regex", spec="[0-9]", after_token_ids=(a, b)))
     assert grammar.accept([a, b, digit]) and grammar.active
+
+
+def test_structural_tag_is_free_until_a_trigger_then_enforces_the_structure(llm):
+    compiler = compiler_for(llm.config.model.tokenizer, llm.config.model.vocab_size,
+                            tuple(sorted(set(llm.config.model.eos_token_ids))))
+    tag = {"structures": [{"begin": "<function=get_weather>", "end": "</function>",
+                           "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                      "required": ["city"]}}], "triggers": ["<function="]}
+    spec = StructuredOutputs(kind="structural_tag", spec=json.dumps(tag))
+
+    def accepts(text: str) -> bool:
+        return compiler.matcher(spec).accept(llm.tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('Sure, let me check. <function=get_weather>{"city": "Paris"}</function> Done.')
+    assert not accepts('Sure. <function=get_weather>{"town": "Paris"}</function>')
+    assert not accepts("Sure. <function=get_time>")  # a trigger must open one of the structures
+    with pytest.raises(GrammarError, match="structured_outputs.structural_tag: needs non-empty"):
+        compiler.compile(StructuredOutputs(kind="structural_tag", spec=json.dumps({"structures": []})))

@@ -165,6 +165,10 @@ def test_auto_parses_hermes_and_tool_results_render(client):
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {"structures": [], "triggers": []}}},
+     "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"]}}, "response_format"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
@@ -226,3 +230,18 @@ def test_with_a_reasoning_parser_the_grammar_waits_for_the_end_of_thinking(think
                                              response_format=fmt)
     assert gated.choices[0].message.reasoning_content == free.choices[0].message.reasoning_content
     assert gated.choices[0].message.content is None
+
+
+def test_structural_tag_both_forms(client):
+    # Free text until a trigger, then the structure. The default model is too small to emit a
+    # <function=...> tag of its own, so the trigger is a word it does write first ("Paris"):
+    # from there on it must write the tool's JSON and the end marker.
+    params = WEATHER["function"]["parameters"]
+    tag = {"structures": [{"begin": "Paris", "schema": params, "end": "."}], "triggers": ["Paris"]}
+    for extra in ({"response_format": {"type": "structural_tag", **tag}},
+                  {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+        out = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=64, **extra)
+        text = out.choices[0].message.content
+        found = re.match(r"(.*?)Paris(\{.*?\})\.", text, flags=re.S)
+        assert found and "Paris" not in found.group(1), text
+        jsonschema.validate(json.loads(found.group(2)), params)
