@@ -4,7 +4,11 @@
 #   2. pytest -m gpu tests/gpu  (kernels vs the torch reference bit for bit, graphs, compile,
 #      and the whole engine on CUDA vs CPU, tiny Llama and tiny DeepSeek-V3)
 #   3. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
-#   4. a summary; exit 0 only when every step passed
+#   4. with 2+ visible GPUs: DP=2 placement (engine/dp/placement.py): rank l on cuda:l, NCCL for
+#      the lockstep all-reduce and the EP all-gather / reduce-scatter, tokens equal to the CPU
+#      engine's (about a minute). With one GPU it is skipped: the DP=1 CUDA engine run with the
+#      null-block check is in step 2 (tests/gpu/test_engine_gpu.py).
+#   5. a summary; exit 0 only when every step passed (a skipped placement step is not a failure)
 # Before any of it: wheels carried in .whl/ (scripts/gpu_wheels.sh; the lent machine reaches no
 # package registry) go into a private site directory, and every module the check imports must
 # load, or it stops at once, naming what is missing, before spending device time on a build.
@@ -14,7 +18,7 @@
 #   scripts/gpu_check.sh
 #   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh    # a torch built with CUDA
 # Through the device tool: scripts/gpu_wheels.sh here, then run "scripts/gpu_check.sh" with
-# carry [".whl"] and timeout_s 420 (a rerun must fit in the 15 minutes).
+# carry [".whl"] and timeout_s 420 (a rerun must fit in the 15 minutes); 600 with 2+ GPUs.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT_DIR=${OUT:-build/gpu_check}
@@ -141,16 +145,90 @@ if [ "${STATUS[build]}" = PASS ]; then
   run_step tests 270 tests.log -- "$PY" -m pytest "${PYTEST_ARGS[@]}"
   run_step bandwidth 150 bandwidth.log -- "$PY" benchmarks/kv_write_bandwidth.py --fp8 \
     --json "$OUT_DIR/bandwidth.json"
+  GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+  if [ "${GPUS:-0}" -ge 2 ]; then
+    # A file, not stdin: the ranks are spawned, and spawn re-imports the main module.
+    # tests/csrc/test_benchmark_and_gpu_script.py runs this program with "cpu" on any machine.
+    cat > "$OUT_DIR/dp2_placement.py" <<'DP2_EOF'
+"""DP=2 placement check: each rank on its own GPU (NCCL for the lockstep all-reduce and the EP
+all-gather / reduce-scatter), greedy tokens equal to the CPU engine's (DP=1), and each rank's
+KV cache allocated on its own GPU (cuda:0 and cuda:1). Run as a file: the ranks are spawned."""
+import subprocess
+import sys
+import tempfile
+import time
+
+from engine import LLM, SamplingParams
+from service.demo.checkpoint import write_preset
+from tests.engine.dp_helpers import free_port_block
+
+PROMPTS = [list(range(5, 17)), [7, 8, 9], list(range(20, 61)), [3]]
+FREE = ("import torch; print(' '.join(str(torch.cuda.mem_get_info(i)[0]) "
+        "for i in range(torch.cuda.device_count())))")
+
+
+def free_bytes() -> list[int]:
+    """Free memory per visible GPU, asked by a process of its own (this one never touches CUDA)."""
+    out = subprocess.run([sys.executable, "-c", FREE], capture_output=True, text=True, check=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def greedy(path: str, device: str, dp: int) -> tuple[list[list[int]], list[int], dict]:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    on_gpu = device != "cpu"
+    before = free_bytes() if on_gpu else []
+    llm = LLM(model=path, device=device, data_parallel_size=dp, kv_cache_memory="256MiB", max_model_len=256,
+              data_parallel_rpc_port=free_port_block(3))
+    try:
+        taken = [b - a for b, a in zip(before, free_bytes())] if on_gpu else []
+        outs = llm.generate(PROMPTS, params, rank_of=[0, 1, 0, 1] if dp > 1 else None)
+        state = getattr(llm.engine, "state", None)
+        ops = state.op_implementations if state is not None else {}
+    finally:
+        llm.close()
+    return [list(o.outputs[0].token_ids) for o in outs], taken, ops
+
+
+def main(device: str) -> int:
+    start = time.time()
+    path = tempfile.mkdtemp(prefix="kvsentry-dp2-")
+    write_preset(path, "tiny-mixtral", init_scale=0.3)
+    reference, _, _ = greedy(path, "cpu", 1)
+    tokens, taken, ops = greedy(path, device, 2)
+    print(f"DP=2 on {device}: each rank's op implementations {ops}")
+    ok = True
+    if device != "cpu":
+        mib = [round(b / 2**20) for b in taken]
+        print(f"GPU memory taken while the two ranks were up, per visible device: {mib} MiB")
+        if len(mib) < 2 or min(mib[:2]) < 200:  # each rank's 256 MiB KV cache on its own GPU
+            print("FAIL: the two ranks did not each allocate on their own GPU (cuda:0 and cuda:1)")
+            ok = False
+    if tokens != reference:
+        print(f"FAIL: DP=2 {device} greedy tokens differ from the CPU engine's:\n  {tokens}\n  {reference}")
+        ok = False
+    print(f"{'PASS' if ok else 'FAIL'}: DP=2 placement check in {time.time() - start:.1f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cuda"))
+DP2_EOF
+    run_step placement 240 placement.log -- env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+      "$PY" "$OUT_DIR/dp2_placement.py" cuda
+  else
+    STATUS[placement]="SKIPPED (${GPUS:-?} GPU)"
+  fi
 else
   STATUS[tests]="SKIPPED (no build)"
   STATUS[bandwidth]="SKIPPED (no build)"
+  STATUS[placement]="SKIPPED (no build)"
 fi
 
 say "summary"
 overall=0
-for step in build tests bandwidth; do
+for step in build tests bandwidth placement; do
   printf '  %-10s %-22s %ss\n' "$step" "${STATUS[$step]}" "${SECONDS_TAKEN[$step]:--}"
-  [ "${STATUS[$step]}" = PASS ] || overall=1
+  case "$step ${STATUS[$step]}" in "placement SKIPPED (1 GPU)"|"$step PASS") ;; *) overall=1 ;; esac
 done
 if [ -f "$OUT_DIR/tests.log" ]; then
   line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?)\b.* in [0-9.]+s' "$OUT_DIR/tests.log" | tail -n 1)

@@ -236,3 +236,31 @@ def test_gpu_check_names_a_missing_module_before_building(tmp_path):
     assert "missing python modules: msgspec. Nothing checked." in proc.stdout
     assert "scripts/gpu_wheels.sh msgspec" in proc.stdout
     assert not (tmp_path / "out" / "build.log").exists()
+
+
+def dp2_placement_program() -> str:
+    """The DP=2 placement check gpu_check.sh runs with 2+ GPUs (its heredoc)."""
+    text = SCRIPT.read_text()
+    start = text.index("<<'DP2_EOF'\n") + len("<<'DP2_EOF'\n")
+    return text[start:text.index("\nDP2_EOF\n", start)]
+
+
+def test_gpu_check_runs_placement_only_with_two_gpus_and_one_gpu_is_no_failure():
+    text = SCRIPT.read_text()
+    assert 'if [ "${GPUS:-0}" -ge 2 ]; then' in text
+    assert 'cat > "$OUT_DIR/dp2_placement.py" <<\'DP2_EOF\'' in text
+    assert '"$PY" "$OUT_DIR/dp2_placement.py" cuda' in text
+    assert '"placement SKIPPED (1 GPU)"' in text and "for step in build tests bandwidth placement" in text
+
+
+@no_cuda
+def test_gpu_check_dp2_placement_program_runs_on_cpu(tmp_path):
+    """The same program with "cpu": DP=2 CPU ranks vs the DP=1 CPU engine, so a GPU run only
+    adds the device: rank l on cuda:l, NCCL, and the memory each rank took on its own GPU."""
+    program = tmp_path / "dp2_placement.py"
+    program.write_text(dp2_placement_program())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(program), "cpu"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: DP=2 placement check" in proc.stdout
