@@ -16,6 +16,7 @@ from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionReques
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
+from service.tool_stream import ToolCallStream
 from service.structured import after_reasoning, compile_or_refuse, request_grammar
 from service.reasoning import ReasoningStream, split_reasoning
 from service.tools import ToolPlan, new_call_id, plan_tools, tool_messages
@@ -98,9 +99,11 @@ def _finish_reason(reason: str | None, calls: list) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _tool_deltas(plan: ToolPlan, sample, text: str, full_text: str, call_ids: dict[int, str]) -> dict:
+def _tool_deltas(plan: ToolPlan, sample, text: str, call_ids: dict[int, str],
+                 streams: dict[int, ToolCallStream]) -> dict:
     """The delta of one streamed piece of a tool-calling sample. named: the text is the
-    arguments, streamed as it comes; required/auto: parsed once the sample has finished."""
+    arguments, streamed as it comes; required/auto: content as it comes, each call once the
+    model has closed it (service/tool_stream.py)."""
     if plan.mode == "named":
         if not text:
             return {}
@@ -109,13 +112,14 @@ def _tool_deltas(plan: ToolPlan, sample, text: str, full_text: str, call_ids: di
         call_ids[sample.index] = new_call_id()
         return {"tool_calls": [{"index": 0, "id": call_ids[sample.index], "type": "function",
                                 "function": {"name": plan.name, "arguments": text}}]}
-    if sample.finish_reason is None:
-        return {}
-    content, calls = plan.calls(full_text) if full_text else (None, [])
-    call_ids[sample.index] = "parsed" if calls else ""
+    stream = streams.setdefault(sample.index, ToolCallStream(plan))
+    first = stream.num_calls
+    content, calls = stream.feed(text, sample.finish_reason is not None)
+    if stream.num_calls:
+        call_ids[sample.index] = "called"
     delta: dict = {"content": content} if content else {}
     if calls:
-        delta["tool_calls"] = [{"index": i, **call.model_dump()} for i, call in enumerate(calls)]
+        delta["tool_calls"] = [{"index": first + i, **call.model_dump()} for i, call in enumerate(calls)]
     return delta
 
 
@@ -123,6 +127,7 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                   created: int, plan: ToolPlan | None, reasoning: bool) -> AsyncIterator[str]:
     finished: set[int] = set()
     call_ids: dict[int, str] = {}
+    streams: dict[int, ToolCallStream] = {}
     reasoners = {j: ReasoningStream() for j in range(body.n)} if reasoning else {}
 
     def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
@@ -151,15 +156,12 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                 if sample.finish_reason is not None:
                     finished.add(sample.index)
                 reason, thought = sample.finish_reason, ""
-                full_text = sample.text
                 if reasoning:
-                    reasoner = reasoners[sample.index]
-                    thought, text = reasoner.feed(text, sample.finish_reason is not None)
-                    full_text = reasoner.content
+                    thought, text = reasoners[sample.index].feed(text, sample.finish_reason is not None)
                 if plan is None:
                     delta = {"content": text} if text else {}
                 else:
-                    delta = _tool_deltas(plan, sample, text, full_text, call_ids)
+                    delta = _tool_deltas(plan, sample, text, call_ids, streams)
                     reason = _finish_reason(reason, [1] if call_ids.get(sample.index) else [])
                 if thought:
                     delta = {"reasoning_content": thought, "reasoning": thought, **delta}

@@ -17,7 +17,7 @@ from service.errors import bad_request
 from service.protocol import ChatCompletionRequest, ChatMessage, ChatTool, FunctionCall, ToolCall
 
 TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _HERMES_SYSTEM = ("You may call one or more functions to assist with the user query. Function signatures are "
                   "within <tools></tools>:\n<tools>\n{tools}\n</tools>\nFor each function call, return a JSON "
                   "object with the function name and arguments within <tool_call></tool_call> tags:\n"
@@ -71,7 +71,7 @@ def complete_items(text: str) -> list[dict]:
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = []
-    for match in _HERMES_CALL.finditer(text):
+    for match in HERMES_CALL.finditer(text):
         try:
             item = json.loads(match.group(1))
             name, arguments = item["name"], item.get("arguments", {})
