@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.ops.attention import AttentionMetadata
 from engine.ops.write_guard import WriteGuard
 from engine.models.cpu_gemm import PackedLinear, fused_linear
+from engine.ops import fused_ops
 
 
 @dataclass
@@ -33,10 +34,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), as transformers'
+        LlamaRMSNorm: one fused op on CPU (engine/ops/fused_ops.py), same bits."""
+        return fused_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x): the residual add fused into the norm after it."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Linear):

@@ -87,8 +87,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.model.hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(positions, self.input_layernorm(hidden), ctx)
+        normed, hidden = self.post_attention_layernorm.add_forward(attn, hidden)  # hidden += attn, then norm
+        return hidden + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.ops import fused_ops
+
 
 def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     """Rope settings from either the classic (rope_theta + rope_scaling) or the
@@ -67,14 +69,12 @@ class RotaryEmbedding(nn.Module):
                 q: torch.Tensor,                # [num_tokens, num_heads, dim]
                 k: torch.Tensor,                # [num_tokens, num_kv_heads, dim]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        """q * cos + rotate_half(q) * sin (k alike), cos/sin rounded to q's dtype: one fused op on
+        CPU (engine/ops/fused_ops.py), the same bits as transformers' apply_rotary_pos_emb."""
+        return fused_ops.rotary(q, k, self.cos, self.sin, positions)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+rotate_half = fused_ops.rotate_half  # [-x2, x1]: DeepSeek's rope applies it too
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

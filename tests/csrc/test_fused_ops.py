@@ -1,0 +1,104 @@
+"""csrc/cpu_fused_ops.cpp (RMSNorm, residual add + RMSNorm, rotary embedding) against the torch
+references of engine/ops/fused_ops.py, bit for bit, in float32 and bfloat16; and the dispatch
+that picks them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops import fused_ops
+from engine.ops.fused_ops import rms_norm_reference, rotary_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,size", [(1, 576), (7, 576), (32, 576), (3, 64), (5, 17), (0, 576)])
+def test_rms_norm_matches_reference_bitwise(kvsentry_ops, dtype, rows, size):
+    for seed in range(3):
+        x = randn(rows, size, dtype=dtype, seed=seed, scale=[1.0, 30.0, 1e-3][seed])
+        weight = randn(size, dtype=dtype, seed=100 + seed) + 1
+        for eps in (1e-5, 1e-6):
+            got = kvsentry_ops.rms_norm(x, weight, eps)
+            assert got.dtype == dtype and got.shape == x.shape
+            assert torch.equal(got, rms_norm_reference(x, weight, eps))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,size", [(1, 576), (9, 576), (32, 576), (4, 40)])
+def test_add_rms_norm_matches_reference_bitwise(kvsentry_ops, dtype, rows, size):
+    x = randn(rows, size, dtype=dtype, seed=1, scale=4.0)
+    residual = randn(rows, size, dtype=dtype, seed=2, scale=20.0)
+    weight = randn(size, dtype=dtype, seed=3)
+    out, hidden = kvsentry_ops.add_rms_norm(x, residual, weight, 1e-5)
+    want_hidden = residual + x
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(out, rms_norm_reference(want_hidden, weight, 1e-5))
+
+
+def rope_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * 1.25, emb.sin() * 1.25  # a yarn-like attention scaling, applied in float32
+
+
+@pytest.mark.parametrize("dtype,table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 32])
+def test_rotary_matches_reference_bitwise_on_strided_views(kvsentry_ops, dtype, table_dtype, tokens):
+    """The model's tables are in its dtype (model.to(dtype) converts buffers); float32 ones also work."""
+    heads, kv_heads, dim = 9, 3, 64
+    cos, sin = (t.to(table_dtype) for t in rope_tables(1024, dim))
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=tokens, scale=3.0)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim)  # views, as the model has them
+    positions = torch.randint(0, 1024, (tokens,), generator=torch.Generator().manual_seed(7))
+    got_q, got_k = kvsentry_ops.rotary(q, k, cos, sin, positions)
+    want_q, want_k = rotary_reference(q, k, cos, sin, positions)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_rotary_rejects_out_of_range_positions(kvsentry_ops):
+    cos, sin = rope_tables(16, 8)
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kvsentry_ops.rotary(q, k, cos, sin, torch.tensor([3, 16]))
+
+
+def test_meta_shapes(kvsentry_ops):
+    x = torch.empty(4, 32, device="meta")
+    out, hidden = kvsentry_ops.add_rms_norm(x, x, torch.empty(32, device="meta"), 1e-6)
+    assert out.shape == hidden.shape == (4, 32)
+    q, k = kvsentry_ops.rotary(torch.empty(4, 3, 8, device="meta"), torch.empty(4, 1, 8, device="meta"),
+                               torch.empty(16, 8, device="meta"), torch.empty(16, 8, device="meta"),
+                               torch.empty(4, dtype=torch.int64, device="meta"))
+    assert q.shape == (4, 3, 8) and k.shape == (4, 1, 8)
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_dispatch_same_bits_with_or_without_the_kernel(kvsentry_ops, monkeypatch, disabled):
+    if disabled:
+        monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
+    x, residual = randn(3, 64, dtype=torch.bfloat16, seed=5), randn(3, 64, dtype=torch.bfloat16, seed=6)
+    weight = randn(64, dtype=torch.bfloat16, seed=8)
+    with torch.inference_mode():
+        out, hidden = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+        normed = fused_ops.rms_norm(x, weight, 1e-6)
+        cos, sin = rope_tables(8, 64)
+        q, k = fused_ops.rotary(x.view(3, 1, 64), residual.view(3, 1, 64), cos, sin, torch.tensor([0, 5, 7]))
+    assert torch.equal(q, rotary_reference(x.view(3, 1, 64), residual.view(3, 1, 64), cos, sin,
+                                           torch.tensor([0, 5, 7]))[0])
+    assert torch.equal(hidden, residual + x)
+    assert torch.equal(out, rms_norm_reference(residual + x, weight, 1e-6))
+    assert torch.equal(normed, rms_norm_reference(x, weight, 1e-6))
+    # Non-contiguous input, another weight dtype, autograd: the reference runs.
+    strided = x.float().t().contiguous().t()
+    assert torch.equal(fused_ops.rms_norm(strided, weight, 1e-6), rms_norm_reference(strided, weight, 1e-6))
+    w = weight.float().requires_grad_()
+    assert fused_ops.rms_norm(x.float(), w, 1e-6).requires_grad
