@@ -32,18 +32,53 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
 using at::Tensor;
 
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-// Round a float to T (round to nearest even for bf16, as torch's conversions do).
+// Element I/O on raw storage: bf16 <-> float by bit operations, branch-free so that the
+// loops vectorise; the same values as c10::BFloat16's conversions (round to nearest even;
+// any NaN stays a NaN).
 template <typename T>
-inline T round_to(float v) { return static_cast<T>(v); }
+struct Io;
+template <>
+struct Io<float> {
+  using raw = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+template <>
+struct Io<c10::BFloat16> {
+  using raw = uint16_t;
+  static float load(uint16_t v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  static uint16_t store(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    return v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
+  }
+};
+// v rounded to T and back: what a torch op in dtype T keeps of a float result.
+template <typename T>
+inline float round_to(float v) { return Io<T>::load(Io<T>::store(v)); }
+template <typename T>
+inline const typename Io<T>::raw* raw_ptr(const Tensor& t) {
+  return reinterpret_cast<const typename Io<T>::raw*>(t.data_ptr<T>());
+}
+template <typename T>
+inline typename Io<T>::raw* raw_mut(const Tensor& t) {
+  return reinterpret_cast<typename Io<T>::raw*>(t.data_ptr<T>());
+}
 
 bool fused_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
 
@@ -64,38 +99,41 @@ void check_norm(const Tensor& x, const std::optional<Tensor>& residual, const Te
 template <typename T>
 void rms_norm_impl(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, float eps,
                    const Tensor& out, const Tensor& res, const Tensor& squares) {
+  using IO = Io<T>;
   const int64_t rows = x.size(0), n = x.size(1);
-  const T* xp = x.data_ptr<T>();
-  T* rp = res.data_ptr<T>();
+  const auto* xp = raw_ptr<T>(x);
+  auto* rp = raw_mut<T>(res);
   float* sq = squares.data_ptr<float>();
-  const T* addp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
+  const auto* addp = residual.has_value() ? raw_ptr<T>(*residual) : nullptr;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * n; i < end * n; ++i) {
-      float h;
-      if (addp != nullptr) {
-        const T sum = round_to<T>(to_float(addp[i]) + to_float(xp[i]));
+    const int64_t lo = begin * n, hi = end * n;
+    if (addp != nullptr) {
+      for (int64_t i = lo; i < hi; ++i) {  // residual + x in T, then its square in float
+        const auto sum = IO::store(IO::load(addp[i]) + IO::load(xp[i]));
         rp[i] = sum;
-        h = to_float(sum);
-      } else {
-        h = to_float(xp[i]);
+        const float h = IO::load(sum);
+        sq[i] = h * h;
       }
-      sq[i] = h * h;  // x.pow(2): torch squares by one multiply
+    } else {
+      for (int64_t i = lo; i < hi; ++i) {
+        const float h = IO::load(xp[i]);
+        sq[i] = h * h;  // x.pow(2): torch squares by one multiply
+      }
     }
   });
   // x.pow(2).mean(-1, keepdim=True): torch's own reduction, so the same summation order.
   const Tensor var = at::mean(squares, {-1}, /*keepdim=*/true);
   const float* vp = var.data_ptr<float>();
-  const T* wp = weight.data_ptr<T>();
-  const T* hp = residual.has_value() ? rp : xp;
-  T* op = out.data_ptr<T>();
+  const auto* wp = raw_ptr<T>(weight);
+  const auto* hp = residual.has_value() ? rp : xp;
+  auto* op = raw_mut<T>(out);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float r = 1.0f / std::sqrt(vp[row] + eps);  // torch.rsqrt(var + eps)
-      const T* h = hp + row * n;
-      T* o = op + row * n;
-      for (int64_t j = 0; j < n; ++j) {
-        const T normed = round_to<T>(to_float(h[j]) * r);        // (x * r).to(dtype)
-        o[j] = round_to<T>(to_float(wp[j]) * to_float(normed));  // weight * ...
+      const auto* h = hp + row * n;
+      auto* o = op + row * n;
+      for (int64_t j = 0; j < n; ++j) {  // weight * (x * r).to(dtype)
+        o[j] = IO::store(IO::load(wp[j]) * round_to<T>(IO::load(h[j]) * r));
       }
     }
   });
@@ -150,17 +188,15 @@ void check_rotary(const Tensor& q, const Tensor& k, const Tensor& cos, const Ten
               ": positions must be int64 [T]");
 }
 
-template <typename T, typename C>
-void rotate(const T* x, T* o, const C* cp, const C* sp, int64_t half) {
-  for (int64_t j = 0; j < half; ++j) {  // the table's values rounded to T: cos[pos].to(dtype)
-    const T c0 = round_to<T>(to_float(cp[j])), c1 = round_to<T>(to_float(cp[j + half]));
-    const T s0 = round_to<T>(to_float(sp[j])), s1 = round_to<T>(to_float(sp[j + half]));
-    const float a = to_float(x[j]), b = to_float(x[j + half]);
-    // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); each op rounds to T
-    const T lo_c = round_to<T>(a * to_float(c0)), lo_s = round_to<T>(-b * to_float(s0));
-    const T hi_c = round_to<T>(b * to_float(c1)), hi_s = round_to<T>(a * to_float(s1));
-    o[j] = round_to<T>(to_float(lo_c) + to_float(lo_s));
-    o[j + half] = round_to<T>(to_float(hi_c) + to_float(hi_s));
+// One head: o = x * c + rotate_half(x) * s, rotate_half(x) = cat(-x2, x1); c and s are the
+// position's table rows already rounded to T, and every product and sum rounds to T.
+template <typename T>
+void rotate(const typename Io<T>::raw* x, typename Io<T>::raw* o, const float* c, const float* s, int64_t half) {
+  using IO = Io<T>;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = IO::load(x[j]), b = IO::load(x[j + half]);
+    o[j] = IO::store(round_to<T>(a * c[j]) + round_to<T>(-b * s[j]));
+    o[j + half] = IO::store(round_to<T>(b * c[j + half]) + round_to<T>(a * s[j + half]));
   }
 }
 
@@ -174,21 +210,26 @@ void rotary_impl(const Tensor& q, const Tensor& k, const Tensor& cos, const Tens
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(0 <= pp[t] && pp[t] < table, "kvsentry::rotary: position ", pp[t], " out of range [0, ", table, ")");
   }
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  T* qo = q_out.data_ptr<T>();
-  T* ko = k_out.data_ptr<T>();
-  const C* cp = cos.data_ptr<C>();
-  const C* sp = sin.data_ptr<C>();
+  const auto* qp = raw_ptr<T>(q);
+  const auto* kp = raw_ptr<T>(k);
+  auto* qo = raw_mut<T>(q_out);
+  auto* ko = raw_mut<T>(k_out);
+  const auto* cp = raw_ptr<C>(cos);
+  const auto* sp = raw_ptr<C>(sin);
   at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(d), s(d);
     for (int64_t t = begin; t < end; ++t) {
-      const C* c = cp + pp[t] * d;
-      const C* s = sp + pp[t] * d;
+      const auto* crow = cp + pp[t] * d;
+      const auto* srow = sp + pp[t] * d;
+      for (int64_t j = 0; j < d; ++j) {  // cos[pos].to(dtype)
+        c[j] = round_to<T>(Io<C>::load(crow[j]));
+        s[j] = round_to<T>(Io<C>::load(srow[j]));
+      }
       for (int64_t h = 0; h < hq; ++h) {
-        rotate<T, C>(qp + t * q.stride(0) + h * q.stride(1), qo + (t * hq + h) * d, c, s, half);
+        rotate<T>(qp + t * q.stride(0) + h * q.stride(1), qo + (t * hq + h) * d, c.data(), s.data(), half);
       }
       for (int64_t h = 0; h < hk; ++h) {
-        rotate<T, C>(kp + t * k.stride(0) + h * k.stride(1), ko + (t * hk + h) * d, c, s, half);
+        rotate<T>(kp + t * k.stride(0) + h * k.stride(1), ko + (t * hk + h) * d, c.data(), s.data(), half);
       }
     }
   });
