@@ -12,13 +12,17 @@
 //     cos, sin [P, D] contiguous tables, float32 or q's dtype; positions [T] int64 in [0, P)
 //     out = q * c + rotate_half(q) * s, c = cos[pos].to(dtype), s = sin[pos].to(dtype)
 //
-// Both reproduce the Hugging Face modules (LlamaRMSNorm, apply_rotary_pos_emb) bit for bit:
-// every elementwise op rounds to its dtype exactly where torch's would (bf16 ops compute in
-// float and round once), there is no FMA contraction (the pragma below), and the one
-// reduction, the mean of squares, is at::mean itself over the same float32 [T, N] tensor
-// that x.pow(2) gives, so its summation order is torch's. The torch references
-// (engine/ops/fused_ops.py) define the results; tests/csrc/test_fused_ops.py holds the
-// kernels to them bit for bit.
+//   out = torch.ops.kvsentry.silu_and_mul(gate_up)
+//     gate_up [T, 2 I] float32 or bfloat16, a contiguous last dim; out [T, I] contiguous
+//     out = silu(gate) * up, gate, up = gate_up.chunk(2, -1)
+//
+// All reproduce the Hugging Face modules (LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP) bit
+// for bit: every elementwise op rounds to its dtype exactly where torch's would (bf16 ops
+// compute in float and round once), there is no FMA contraction (the pragma below), and what
+// is not plain arithmetic is torch's own: the mean of squares is at::mean over the same
+// float32 [T, N] tensor that x.pow(2) gives (so torch's summation order), SiLU is at::silu on
+// the same gate view (so torch's exp). The torch references (engine/ops/fused_ops.py) define
+// the results; tests/csrc/test_fused_ops.py holds the kernels to them bit for bit.
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -27,6 +31,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mean.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -256,11 +261,58 @@ std::tuple<Tensor, Tensor> rotary_meta(const Tensor& q, const Tensor& k, const T
   return {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
 }
 
+void check_silu(const Tensor& gate_up) {
+  TORCH_CHECK(fused_dtype(gate_up.scalar_type()) && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
+                  (gate_up.size(1) == 0 || gate_up.stride(1) == 1),
+              "kvsentry::silu_and_mul: gate_up must be float32 or bfloat16 [T, 2 I] with a contiguous last dim");
+}
+
+template <typename T>
+void silu_and_mul_impl(const Tensor& silu, const Tensor& gate_up, const Tensor& out) {
+  using IO = Io<T>;
+  const int64_t rows = out.size(0), n = out.size(1);
+  const auto* sp = raw_ptr<T>(silu);
+  const auto* up = raw_ptr<T>(gate_up) + n;
+  auto* op = raw_mut<T>(out);
+  const int64_t s_stride = silu.stride(0), u_stride = gate_up.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const auto* a = sp + row * s_stride;
+      const auto* b = up + row * u_stride;
+      auto* o = op + row * n;
+      for (int64_t j = 0; j < n; ++j) {
+        o[j] = IO::store(IO::load(a[j]) * IO::load(b[j]));
+      }
+    }
+  });
+}
+
+Tensor silu_and_mul_cpu(const Tensor& gate_up) {
+  check_silu(gate_up);
+  const int64_t n = gate_up.size(1) / 2;
+  // F.silu(gate) on the same strided view as the reference: torch's own kernel, the same bits.
+  const Tensor silu = at::silu(gate_up.narrow(1, 0, n));
+  TORCH_CHECK(silu.stride(1) == 1 || n == 0, "kvsentry::silu_and_mul: unexpected silu layout");
+  Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_and_mul_impl<float>(silu, gate_up, out);
+  } else {
+    silu_and_mul_impl<c10::BFloat16>(silu, gate_up, out);
+  }
+  return out;
+}
+
+Tensor silu_and_mul_meta(const Tensor& gate_up) {
+  check_silu(gate_up);
+  return at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
 }
 
@@ -268,10 +320,12 @@ TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("add_rms_norm", &add_rms_norm_cpu);
   m.impl("rotary", &rotary_cpu);
+  m.impl("silu_and_mul", &silu_and_mul_cpu);
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, Meta, m) {
   m.impl("rms_norm", &rms_norm_meta);
   m.impl("add_rms_norm", &add_rms_norm_meta);
   m.impl("rotary", &rotary_meta);
+  m.impl("silu_and_mul", &silu_and_mul_meta);
 }

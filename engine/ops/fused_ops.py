@@ -1,5 +1,5 @@
-"""Fused elementwise ops of a decoder layer: RMSNorm (optionally after the residual add) and
-rotary embedding. csrc/cpu_fused_ops.cpp on CPU -- one op where torch runs eight to sixteen
+"""Fused elementwise ops of a decoder layer: RMSNorm (optionally after the residual add),
+rotary embedding and SiLU-and-multiply. csrc/cpu_fused_ops.cpp on CPU -- one op where torch runs eight to sixteen
 small ones per call, most of a small model's decode step at small batches -- and the torch
 references below elsewhere.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from engine.ops import cpu_ops
 
@@ -41,6 +42,11 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor,  # [T, Hq, D], [T, Hk, D]
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _kernels(x: torch.Tensor):
     """torch.ops.kvsentry when the kernels apply to x: a CPU float32/bf16 tensor, no autograd
     (the engine runs under inference_mode), a library that has them; else None. Kept lean:
@@ -55,7 +61,7 @@ def _kernels(x: torch.Tensor):
 
 @functools.cache
 def _has_fused(ops) -> bool:  # a library prebuilt before cpu_fused_ops.cpp existed lacks them
-    return hasattr(ops, "add_rms_norm") and hasattr(ops, "rotary")
+    return all(hasattr(ops, name) for name in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., N]
@@ -86,3 +92,11 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             and positions.dtype == torch.int64 and positions.device.type == "cpu"):
         return ops.rotary(q, k, cos, sin, positions)
     return rotary_reference(q, k, cos, sin, positions)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate|up projection's output [T, 2 I]."""
+    ops = _kernels(gate_up)
+    if ops is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return ops.silu_and_mul(gate_up)
+    return silu_and_mul_reference(gate_up)

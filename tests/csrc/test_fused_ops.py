@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.ops import fused_ops
-from engine.ops.fused_ops import rms_norm_reference, rotary_reference
+from engine.ops.fused_ops import rms_norm_reference, rotary_reference, silu_and_mul_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -62,6 +62,17 @@ def test_rotary_matches_reference_bitwise_on_strided_views(kvsentry_ops, dtype, 
     want_q, want_k = rotary_reference(q, k, cos, sin, positions)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (32, 1536), (3, 20), (0, 8)])
+def test_silu_and_mul_matches_reference_bitwise(kvsentry_ops, dtype, rows, inter):
+    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=rows, scale=4.0)
+    got = kvsentry_ops.silu_and_mul(gate_up)
+    assert got.shape == (rows, inter) and got.is_contiguous()
+    assert torch.equal(got, silu_and_mul_reference(gate_up))
+    wide = randn(rows, 2 * inter + 6, dtype=dtype, seed=9)[:, 3:3 + 2 * inter]  # a strided view
+    assert torch.equal(kvsentry_ops.silu_and_mul(wide), silu_and_mul_reference(wide))
 
 
 def test_rotary_rejects_out_of_range_positions(kvsentry_ops):
