@@ -19,10 +19,11 @@
 // All reproduce the Hugging Face modules (LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP) bit
 // for bit: every elementwise op rounds to its dtype exactly where torch's would (bf16 ops
 // compute in float and round once), there is no FMA contraction (the pragma below), and what
-// is not plain arithmetic is torch's own: the mean of squares is at::mean over the same
-// float32 [T, N] tensor that x.pow(2) gives (so torch's summation order), SiLU is at::silu on
-// the same gate view (so torch's exp). The torch references (engine/ops/fused_ops.py) define
-// the results; tests/csrc/test_fused_ops.py holds the kernels to them bit for bit.
+// is not plain arithmetic is torch's own: the sum of squares is at::sum over the same float32
+// [T, N] tensor that x.pow(2) gives (torch's summation order; the mean divides it by N), and
+// SiLU is at::silu on the same gate view (torch's exp). The torch references
+// (engine/ops/fused_ops.py) define the results; tests/csrc/test_fused_ops.py holds the
+// kernels to them bit for bit.
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -30,7 +31,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/mean.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -126,15 +127,17 @@ void rms_norm_impl(const Tensor& x, const std::optional<Tensor>& residual, const
       }
     }
   });
-  // x.pow(2).mean(-1, keepdim=True): torch's own reduction, so the same summation order.
-  const Tensor var = at::mean(squares, {-1}, /*keepdim=*/true);
-  const float* vp = var.data_ptr<float>();
+  // x.pow(2).mean(-1, keepdim=True): torch's mean of a float tensor on CPU is sum_out(...).div_(N),
+  // so torch's own sum (its summation order) and one true division per row below.
+  const Tensor sums = at::sum(squares, {-1});
+  const float* vp = sums.data_ptr<float>();
+  const float count = static_cast<float>(n);
   const auto* wp = raw_ptr<T>(weight);
   const auto* hp = residual.has_value() ? rp : xp;
   auto* op = raw_mut<T>(out);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const float r = 1.0f / std::sqrt(vp[row] + eps);  // torch.rsqrt(var + eps)
+      const float r = 1.0f / std::sqrt(vp[row] / count + eps);  // torch.rsqrt(mean + eps)
       const auto* h = hp + row * n;
       auto* o = op + row * n;
       for (int64_t j = 0; j < n; ++j) {  // weight * (x * r).to(dtype)
