@@ -10,6 +10,7 @@ are poisoned.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -17,6 +18,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.paging import FIRST_USABLE_BLOCK_ID, NULL_BLOCK_ID, blocks_written
+from engine.ops import cpu_ops
+from engine.ops.checksum import block_words
+from engine.ops.nonfinite import KINDS, nonfinite_counts
 from engine.worker.kv_cache import block_axis
 
 
@@ -27,6 +31,9 @@ class NaNSentinel:
         self.axis = block_axis(config)
         # [num_blocks, num_layers, (2,) block_size, ...]: blocks first, so a block range is one slice.
         self.by_block = storage.movedim(self.axis, 0)
+        # The same bytes as int32 words, for the scan kernel (csrc/cpu_nonfinite.cpp).
+        self.words = block_words(storage, self.axis)
+        self.dtype = storage.dtype
         self.num_blocks = config.num_blocks
         self.num_layers = config.model.num_layers
         self.budget = max(1, config.nan_scan_blocks_per_step)
@@ -37,6 +44,14 @@ class NaNSentinel:
         self.any_counted = False
         self.detections = {"null_block": 0, "allocated": 0}
         self.scan_seconds: list[float] = []
+
+    @functools.cached_property
+    def uses_kernel(self) -> bool:
+        # 16- and 8-bit caches: torch's float32 sum of a strided window copies it to float32
+        # first (33 bf16 blocks of the default model: 5.4 ms vs the kernel's 1.3 ms). A float32
+        # cache sums in place, faster than the kernel (1.0 vs 2.1 ms): that path stays.
+        return (self.words.device.type == "cpu" and self.dtype in KINDS and self.dtype != torch.float32
+                and cpu_ops.available())
 
     @property
     def enabled(self) -> bool:
@@ -102,11 +117,18 @@ class NaNSentinel:
         start = time.perf_counter()
         groups = self._targets(written_slots, block_size)
         poisoned: list[int] = []
-        if self.any_counted or not self._all_finite(groups):
-            results = [self._scan(g) for g in groups]
-            ids = [b for g in groups for b in g]
-            counts = torch.cat([r if r is not None else torch.zeros(self.num_layers, len(g), dtype=torch.int64)
-                                for g, r in zip(groups, results)], dim=1)
+        ids = [b for g in groups for b in g]
+        counts = None
+        if self.uses_kernel:  # exact counts in one pass over the raw words: no float copy of the window
+            counts = nonfinite_counts(self.words, torch.tensor(ids, dtype=torch.int64), self.dtype).t().cpu()
+            dirty = self.any_counted or bool(counts.any())
+        else:
+            dirty = self.any_counted or not self._all_finite(groups)
+        if dirty:
+            if counts is None:
+                results = [self._scan(g) for g in groups]
+                counts = torch.cat([r if r is not None else torch.zeros(self.num_layers, len(g), dtype=torch.int64)
+                                    for g, r in zip(groups, results)], dim=1)
             index = torch.tensor(ids, dtype=torch.int64)
             previous = self.counts[:, index]
             self.counts[:, index] = counts

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.ops import cpu_ops
 from engine.core.engine_core import EngineCore
 from engine.paging import PAD_SLOT_ID, slots_for_positions
 from engine.worker.batch_builder import BatchBuilder
@@ -40,9 +41,11 @@ def path(request, checkpoint):
     return checkpoint(request.param)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the csrc scan kernel on CPU
 @pytest.mark.parametrize("kind", ["nan", "inf"])
-def test_poison_found_within_coverage_bound(path, kind):
-    core = make_core(path)
+def test_poison_found_within_coverage_bound(path, kind, dtype):
+    core = make_core(path, dtype=dtype)
+    assert core.sentinel.uses_kernel == (dtype == "bfloat16" and cpu_ops.available())
     bound = core.sentinel.coverage_steps
     assert bound == -(-39 // 4)
     rng = random.Random(kind)

@@ -1,0 +1,30 @@
+"""Non-finite values per (block, layer) of the paged KV cache: the NaN sentinel's scan.
+
+csrc/cpu_nonfinite.cpp on CPU (integer masks on the raw words, one pass, no float copy);
+the torch reference below elsewhere and wherever the kernel is not built. Both take the
+block-first int32 words view of the cache storage (engine/ops/checksum.py's block_words).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.ops import cpu_ops
+
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
+
+
+def nonfinite_counts_reference(words: torch.Tensor,      # [num_blocks, num_layers, chunks, words] int32
+                               block_ids: torch.Tensor,  # [n] int64
+                               dtype: torch.dtype,       # what the words hold
+                               ) -> torch.Tensor:        # [n, num_layers] int64
+    values = words.index_select(0, block_ids).view(dtype)  # [n, num_layers, chunks, values]
+    if dtype == torch.float8_e4m3fn:  # no isfinite for fp8 on CPU: its only non-finite is NaN
+        values = values.view(torch.uint8) & 0x7F
+        return (values == 0x7F).sum(dim=(2, 3))
+    return (~torch.isfinite(values)).sum(dim=(2, 3))
+
+
+def nonfinite_counts(words: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if words.device.type == "cpu" and dtype in KINDS and cpu_ops.available():
+        return torch.ops.kvsentry.kv_block_nonfinite(words, block_ids, KINDS[dtype])
+    return nonfinite_counts_reference(words, block_ids, dtype)
