@@ -32,6 +32,8 @@ KERNELS = {
     "kv_writer": Kernel("cuda_kernel", "cuda", lambda: cuda_ops.available()),
     # Sealed-block checksums: csrc/cpu_checksum.cpp (on a GPU the torch reference runs on the device).
     "kv_checksum": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
+    # The NaN sentinel's scan of 16- and 8-bit caches: csrc/cpu_nonfinite.cpp.
+    "kv_nan_scan": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
 }
 
 

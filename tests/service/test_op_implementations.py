@@ -25,8 +25,9 @@ def test_a_disabled_kernel_is_reported_as_a_fallback(monkeypatch):
     ops = op_implementations("cpu")
     assert ops["paged_attention"] == TORCH_REFERENCE
     # The checksum kernel is in the same library: disabled with it. kv_writer has no CPU kernel: by design.
-    assert falling_back(ops, "cpu") == ["paged_attention", "kv_checksum"]
-    assert describe(ops) == "paged_attention=torch_reference kv_writer=torch_reference kv_checksum=torch_reference"
+    assert falling_back(ops, "cpu") == ["paged_attention", "kv_checksum", "kv_nan_scan"]
+    assert describe(ops) == ("paged_attention=torch_reference kv_writer=torch_reference "
+                             "kv_checksum=torch_reference kv_nan_scan=torch_reference")
 
 
 def test_the_ready_message_carries_them():
