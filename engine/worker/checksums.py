@@ -21,8 +21,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.ops.checksum import block_checksums, block_words, make_multipliers
-from engine.paging import FIRST_USABLE_BLOCK_ID
 from engine.worker.kv_cache import block_axis
+from engine.worker.sweep import RollingSweep
 
 
 class BlockChecksums:
@@ -31,12 +31,11 @@ class BlockChecksums:
         self.words = block_words(storage, block_axis(config))  # [num_blocks, num_layers, chunks, words] int32
         self.multipliers = make_multipliers(self.words)          # [2, chunks, words] int32
         self.num_blocks = config.num_blocks
-        self.budget = max(1, config.kv_checksum_blocks_per_step)
+        self.sweep = RollingSweep(self.num_blocks, config.kv_checksum_blocks_per_step)
         # [num_blocks, num_layers, 2] int64: each sealed block's checksum lanes per layer.
         self.sums = torch.zeros(self.num_blocks, self.words.shape[1], 2, dtype=torch.int64, device=storage.device)
         self.sealed = np.zeros(self.num_blocks, dtype=bool)
         self.latest_sealed: int | None = None
-        self.cursor = FIRST_USABLE_BLOCK_ID
         self.seal_seconds: list[float] = []
         self.verify_seconds: list[float] = []
 
@@ -51,11 +50,7 @@ class BlockChecksums:
     @property
     def coverage_steps(self) -> int:
         """Steps within which every sealed block is verified at least once."""
-        if self.mode == "full":
-            return 1
-        if self.mode == "rolling":
-            return -(-(self.num_blocks - FIRST_USABLE_BLOCK_ID) // self.budget)
-        return 0
+        return self.sweep.coverage_steps(self.mode)
 
     def seal(self, block_ids: list[int]) -> None:
         """Record the checksums of blocks that just became full (already sealed ones keep theirs:
@@ -81,10 +76,8 @@ class BlockChecksums:
     def _window(self) -> list[int]:
         if self.mode == "full":
             return np.flatnonzero(self.sealed).tolist()
-        end = min(self.cursor + self.budget, self.num_blocks)
-        ids = (np.flatnonzero(self.sealed[self.cursor:end]) + self.cursor).tolist()
-        self.cursor = FIRST_USABLE_BLOCK_ID if end >= self.num_blocks else end
-        return ids
+        window = self.sweep.next_window()
+        return (np.flatnonzero(self.sealed[window.start:window.stop]) + window.start).tolist()
 
     def verify(self) -> list[tuple[int, list[int]]]:
         """This step's sweep: (block, mismatching layers) for every sealed block whose bytes

@@ -22,6 +22,7 @@ from engine.ops import cpu_ops
 from engine.ops.checksum import block_words
 from engine.ops.nonfinite import KINDS, nonfinite_counts
 from engine.worker.kv_cache import block_axis
+from engine.worker.sweep import RollingSweep
 
 
 class NaNSentinel:
@@ -36,9 +37,8 @@ class NaNSentinel:
         self.dtype = storage.dtype
         self.num_blocks = config.num_blocks
         self.num_layers = config.model.num_layers
-        self.budget = max(1, config.nan_scan_blocks_per_step)
+        self.sweep = RollingSweep(self.num_blocks, config.nan_scan_blocks_per_step)
         self.scan_written = config.nan_scan_written_blocks
-        self.cursor = FIRST_USABLE_BLOCK_ID
         # Non-finite values per (layer, block) as of the last time the block was scanned.
         self.counts = torch.zeros(self.num_layers, self.num_blocks, dtype=torch.int64)
         self.any_counted = False
@@ -60,11 +60,7 @@ class NaNSentinel:
     @property
     def coverage_steps(self) -> int:
         """Steps within which every block is scanned at least once."""
-        if self.mode == "full":
-            return 1
-        if self.mode == "rolling":
-            return -(-(self.num_blocks - FIRST_USABLE_BLOCK_ID) // self.budget)
-        return 0
+        return self.sweep.coverage_steps(self.mode)
 
     def _scan(self, ids: list[int]) -> torch.Tensor | None:
         """[num_layers, len(ids)] non-finite counts, or None when all clean.
@@ -86,13 +82,11 @@ class NaNSentinel:
             return [list(range(self.num_blocks))]
         groups = [[NULL_BLOCK_ID]]
         if self.mode == "rolling":
-            end = min(self.cursor + self.budget, self.num_blocks)
-            window = list(range(self.cursor, end))
-            if self.cursor == FIRST_USABLE_BLOCK_ID:
-                groups = [[NULL_BLOCK_ID] + window]
+            window = self.sweep.next_window()
+            if window.start == FIRST_USABLE_BLOCK_ID:  # contiguous with the null block: one slice
+                groups = [[NULL_BLOCK_ID, *window]]
             else:
-                groups.append(window)
-            self.cursor = FIRST_USABLE_BLOCK_ID if end >= self.num_blocks else end
+                groups.append(list(window))
             if self.scan_written and written_slots is not None and written_slots.numel():
                 seen = {b for g in groups for b in g}
                 written = set(blocks_written(written_slots, block_size)) - seen
