@@ -205,6 +205,12 @@ class EngineConfig:
     num_threads: int = 0  # torch threads per rank; 0 = cores / local ranks
 
     @property
+    def lockstep(self) -> bool:
+        """MoE at DP > 1 steps in lockstep (engine/dp/rank.py): every MoE layer is a collective,
+        so a rank never runs a forward alone."""
+        return self.parallel.data_parallel_size > 1 and self.model.is_moe
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 

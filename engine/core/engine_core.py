@@ -36,8 +36,6 @@ class EngineCore:
         self.checksums = BlockChecksums(config, self.runner.kv_storage)
         self.checksum_mismatches = {"prefix_cache": 0, "running": 0}
         self._sealing: list[int] = []  # blocks this step filled, sealed once the step is done
-        # MoE at DP > 1 steps in lockstep (engine/dp/rank.py): a rank may not run a forward alone.
-        self.lockstep = config.parallel.data_parallel_size > 1 and config.model.is_moe
         self.heals = 0
         self._eos_ids = frozenset(config.model.eos_token_ids)
         self.nan_policy_tripped = False
@@ -81,7 +79,7 @@ class EngineCore:
     def inject_fault(self, fault) -> None:
         from engine.worker.faults import inject, stale_dummy_tokens
         inject(self.runner, fault, self.checksums)
-        if fault.kind == "stale_slot_dummy" and not self.lockstep:
+        if fault.kind == "stale_slot_dummy" and not self.config.lockstep:
             # Nothing else steps dummy batches here: replay the broken one now.
             self.run_dummy(self.config.padded_num_tokens(stale_dummy_tokens(self.runner)))
 

@@ -40,7 +40,7 @@ class ClientState:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.size = config.parallel.data_parallel_size
-        self.lockstep = self.size > 1 and config.model.is_moe
+        self.lockstep = config.lockstep
         self.wave = 0
         self.tracked: dict[str, _Tracked] = {}
         self.waiting = [0] * self.size

@@ -203,7 +203,7 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         # Sent on the DEALER so that, once the front end sees it, its ROUTER can route to us.
         ready = RankReady(rank, config.num_blocks, os.getpid(), op_implementations(config.device))
         inputs.send(msgspec.msgpack.encode(ready))
-        RankLoop(core, inputs, outputs, lockstep=size > 1 and config.model.is_moe).run()
+        RankLoop(core, inputs, outputs, lockstep=config.lockstep).run()
     except BaseException as exc:  # report why, then die: the group must not hang on us
         if inputs is not None and _shutdown_pending(inputs):
             os._exit(0)  # a peer left first because the front end is stopping us all
