@@ -14,7 +14,7 @@ from engine.worker.kv_cache import layer_tensors
 def inject(runner, fault: Fault, checksums=None) -> None:
     if fault.kind in ("legacy_dummy", "stale_slot_dummy"):
         broken = LegacyDummyOnce if fault.kind == "legacy_dummy" else StaleSlotDummyOnce
-        if not isinstance(runner.builder, (LegacyDummyOnce, StaleSlotDummyOnce)):  # armed twice: still one batch
+        if not isinstance(runner.builder, BrokenDummyOnce):  # armed twice: still one batch
             runner.builder = broken(runner)
         return
     if fault.kind not in ("nan", "inf", "bitflip"):
@@ -34,16 +34,11 @@ def inject(runner, fault: Fault, checksums=None) -> None:
     block[(0,) * block.dim()] = float("nan") if fault.kind == "nan" else float("inf")
 
 
-class LegacyDummyOnce:
+class BrokenDummyOnce:
     """Stands in for the runner's batch builder until the next dummy batch, builds that one
-    the way the old engine did, then hands the real builder back.
-
-    The old dummy batch read its slots from a zero-initialised buffer that was never refilled,
-    so every dummy token wrote slot 0, inside the null block, and its activations were
-    whatever the buffers held (here NaN). It is made from the public pieces -- the real
-    builder's safe dummy batch, a zero slot mapping, a one-shot forward hook on the token
-    embedding -- so that neither the builder nor any model carries a switch for it.
-    """
+    broken (`break_batch`), then hands the real builder back. Made from public pieces -- the
+    real builder's safe dummy batch, then one change to it -- so that neither the builder nor
+    any model carries a switch for it."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -53,12 +48,30 @@ class LegacyDummyOnce:
         return getattr(self.builder, name)  # real batches are the real builder's
 
     def build_dummy(self, num_padded: int) -> StepBatch:
+        stale = self.builder.slot_mapping[:num_padded].clone()  # [num_padded] as the last step left it
+        if not self.ready(stale):
+            return self.builder.build_dummy(num_padded)
         self.runner.builder = self.builder  # one shot
         batch = self.builder.build_dummy(num_padded)
+        self.break_batch(batch, stale)
+        return batch
+
+    def ready(self, stale: torch.Tensor) -> bool:
+        return True
+
+    def break_batch(self, batch: StepBatch, stale: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class LegacyDummyOnce(BrokenDummyOnce):
+    """The old dummy batch read its slots from a zero-initialised buffer that was never refilled,
+    so every dummy token wrote slot 0, inside the null block, and its activations were
+    whatever the buffers held (here NaN: a one-shot forward hook on the token embedding)."""
+
+    def break_batch(self, batch: StepBatch, stale: torch.Tensor) -> None:
         # A fresh tensor, not the builder's persistent buffer: only this batch is broken.
         batch.meta.slot_mapping = torch.zeros_like(batch.meta.slot_mapping)  # [num_padded], all slot 0
         nan_activations_once(self.runner.model)
-        return batch
 
 
 def nan_activations_once(model: torch.nn.Module) -> None:
@@ -70,30 +83,19 @@ def nan_activations_once(model: torch.nn.Module) -> None:
     handle = model.get_input_embeddings().register_forward_hook(to_nan)
 
 
-class StaleSlotDummyOnce:
-    """Stands in for the runner's batch builder until the next dummy batch, which it builds
-    with the slot buffer the previous real step left behind instead of refilling it with
-    PAD_SLOT_ID: the dummy's finite keys and values land in blocks that belong to other
-    requests. No NaN appears; the foreign-write counter (and, in a sealed block, the
-    checksum sweep) must catch it."""
+class StaleSlotDummyOnce(BrokenDummyOnce):
+    """A dummy batch built with the slot buffer the previous real step left behind instead of
+    refilling it with PAD_SLOT_ID: the dummy's finite keys and values land in blocks that
+    belong to other requests. No NaN appears; the foreign-write counter (and, in a sealed
+    block, the checksum sweep) must catch it."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.builder: BatchBuilder = runner.builder
+    def ready(self, stale: torch.Tensor) -> bool:
+        # A dummy batch that already refilled the buffer since the last real step leaves nothing
+        # stale: stay armed until a real step leaves its slots behind again.
+        return bool((stale >= 0).any())
 
-    def __getattr__(self, name: str):
-        return getattr(self.builder, name)
-
-    def build_dummy(self, num_padded: int) -> StepBatch:
-        stale = self.builder.slot_mapping[:num_padded].clone()  # [num_padded] before the refill
-        if not bool((stale >= 0).any()):
-            # A dummy batch already refilled the buffer since the last real step: stay armed
-            # until a real step leaves its slots behind again.
-            return self.builder.build_dummy(num_padded)
-        self.runner.builder = self.builder  # one shot
-        batch = self.builder.build_dummy(num_padded)
+    def break_batch(self, batch: StepBatch, stale: torch.Tensor) -> None:
         batch.meta.slot_mapping = stale.to(batch.meta.slot_mapping.device)
-        return batch
 
 
 def stale_dummy_tokens(runner) -> int:
