@@ -62,16 +62,12 @@ class EngineStatsCollector(Collector):
                                        "Non-finite values in the KV cache at the last scan, per layer and "
                                        "region (null_block = block 0, allocated = every other block).",
                                        labels=["model_name", "engine", "layer", "region"])
-        detections = CounterMetricFamily("kvsentry_kv_cache_nan_detections",
-                                         "Blocks the NaN sentinel found newly poisoned.",
-                                         labels=["model_name", "engine", "region"])
         for rank, s in sorted(stats.items()):
             for layer, region, value in s.nan_values:
                 nan_values.add_metric([self.model_name, str(rank), str(layer), region], float(value))
-            for region, total in s.nan_detections:
-                detections.add_metric([self.model_name, str(rank), region], float(total))
         yield nan_values
-        yield detections
+        yield self._region_counter("kvsentry_kv_cache_nan_detections", "Blocks the NaN sentinel found newly poisoned.",
+                                   stats, lambda s: s.nan_detections, ())
         yield self._counter("kvsentry_null_block_writes",
                             "Cache writes whose slot fell in the null block (block 0); must stay 0.",
                             stats, lambda s: s.null_block_writes)
@@ -86,16 +82,10 @@ class EngineStatsCollector(Collector):
                           stats, lambda s: s.scan_coverage_steps)
         # Beyond NaN: finite corruption of sealed (full, immutable) blocks, and cache writes
         # outside the blocks of the step's own requests.
-        mismatches = CounterMetricFamily("kvsentry_kv_cache_checksum_mismatches",
-                                         "Sealed KV blocks whose bytes no longer match their checksum "
-                                         "(finite corruption), by region (prefix_cache or running).",
-                                         labels=["model_name", "engine", "region"])
-        for rank, s in sorted(stats.items()):
-            # Every region from start-up, at 0, so that increase() sees the first mismatch.
-            totals = dict.fromkeys(CHECKSUM_REGIONS, 0) | dict(s.checksum_mismatches)
-            for region, total in totals.items():
-                mismatches.add_metric([self.model_name, str(rank), region], float(total))
-        yield mismatches
+        yield self._region_counter("kvsentry_kv_cache_checksum_mismatches",
+                                   "Sealed KV blocks whose bytes no longer match their checksum "
+                                   "(finite corruption), by region (prefix_cache or running).",
+                                   stats, lambda s: s.checksum_mismatches, CHECKSUM_REGIONS)
         yield self._gauge("kvsentry_kv_cache_sealed_blocks",
                           "KV blocks sealed (full, immutable) with a recorded checksum on a DP rank.",
                           stats, lambda s: s.sealed_blocks)
@@ -106,6 +96,17 @@ class EngineStatsCollector(Collector):
                             "Cache writes whose slot fell outside the blocks the step's scheduled requests "
                             "own (e.g. a stale slot buffer in a dummy or padded batch); must stay 0.",
                             stats, lambda s: s.foreign_writes)
+
+    def _region_counter(self, name: str, doc: str, stats: dict[int, StepStats],
+                        totals: Callable[[StepStats], list[tuple[str, int]]],
+                        regions: tuple[str, ...]) -> CounterMetricFamily:
+        """A counter per (rank, region); every one of `regions` from start-up, at 0, so that
+        increase() sees the first event."""
+        family = CounterMetricFamily(name, doc, labels=["model_name", "engine", "region"])
+        for rank, s in sorted(stats.items()):
+            for region, total in (dict.fromkeys(regions, 0) | dict(totals(s))).items():
+                family.add_metric([self.model_name, str(rank), region], float(total))
+        return family
 
     def _labels(self, rank: int) -> list[str]:
         return [self.model_name, str(rank)]

@@ -54,26 +54,27 @@ def requested_grammar(body: SamplingFields) -> tuple[StructuredOutputs | None, s
     whitespace = not so.disable_any_whitespace
     try:
         if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise bad_request(f"{param}: is not valid JSON", param) from None
-            return StructuredOutputs(kind="json", spec=json.dumps(value), any_whitespace=whitespace), param
+            return StructuredOutputs(kind="json", spec=json_spec(value, param), any_whitespace=whitespace), param
         if kind == "json_object":
             return StructuredOutputs(kind="json_object", any_whitespace=whitespace), param
         if kind == "structural_tag":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise bad_request(f"{param}: is not valid JSON", param) from None
-            return StructuredOutputs(kind="structural_tag", spec=json.dumps(value)), param
+            return StructuredOutputs(kind="structural_tag", spec=json_spec(value, param)), param
         if kind == "choice":
             return StructuredOutputs.choice(value), param
         return StructuredOutputs(kind=kind, spec=value), param
     except ValueError as exc:
         raise bad_request(str(exc), param) from None
+
+
+def json_spec(value: str | dict, param: str) -> str:
+    """A JSON field given as a document or as a string holding one, re-serialised (a 400 if the
+    string is not JSON)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request(f"{param}: is not valid JSON", param) from None
+    return json.dumps(value)
 
 
 def compile_or_refuse(state: AppState, spec: StructuredOutputs, param: str) -> None:

@@ -19,31 +19,27 @@ from tests.service.server_process import ServerProcess, free_port
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def run_server(checkpoint, tmp_path_factory, *flags: str):
     # A sweep of 1024 blocks per step covers the 64 MiB test cache in a few idle heartbeats.
     proc = ServerProcess(checkpoint("tiny-llama"), "--enable-fault-injection", "--nan-policy", "count",
-                         "--nan-scan-blocks-per-step", "1024",
-                         log_dir=tmp_path_factory.mktemp("kvsentry"))
+                         "--nan-scan-blocks-per-step", "1024", *flags, log_dir=tmp_path_factory.mktemp("kvsentry"))
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    yield from run_server(checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def integrity_server(checkpoint, tmp_path_factory):
-    # Never gets a NaN: its NaN metrics must stay 0 through the bit flip and the stale
-    # dummy batch. 1024 blocks per step: the NaN scan and the checksum sweep both cover
-    # the 64 MiB test cache within a step or two.
-    proc = ServerProcess(checkpoint("tiny-llama"), "--enable-fault-injection", "--nan-policy", "count",
-                         "--nan-scan-blocks-per-step", "1024", "--kv-checksums", "rolling",
-                         "--kv-checksum-blocks-per-step", "1024",
-                         log_dir=tmp_path_factory.mktemp("kvsentry"))
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    # Never gets a NaN: its NaN metrics must stay 0 through the bit flip and the stale dummy
+    # batch. The checksum sweep, like the NaN scan, covers the test cache within a step or two.
+    yield from run_server(checkpoint, tmp_path_factory, "--kv-checksums", "rolling",
+                          "--kv-checksum-blocks-per-step", "1024")
 
 
 @pytest.fixture(scope="module")
