@@ -5,6 +5,9 @@ unused table entries point at the null block (block 0) and positions past a
 sequence's length are masked with a zero weight *after* being read. So a NaN
 planted in block 0 propagates (0 x NaN = NaN) -- deliberately: the sentinel,
 not the attention, is what guards the null block.
+
+On CUDA, decode rows go through FlexAttention (engine/ops/flex_attention.py) with the same
+read-then-mask semantics; a CUDA-graph step's metadata is `fixed_shape` and goes there whole.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.ops import cpu_ops
+from engine.ops import cpu_ops, flex_attention
 
 
 @dataclass
@@ -33,9 +36,15 @@ class AttentionMetadata:
     # Leading requests with exactly one query token (the scheduler puts them first): they
     # attend in one batched call, only the rest (prefill chunks) one by one.
     num_decodes: int | None = None
+    # Device-only metadata of a fixed shape (a CUDA-graph decode step, engine/worker/cuda_graphs.py):
+    # every row is one query token, of a request or of padding (length 0, table row all null
+    # block); the host-side lists are not filled, since a captured graph could not read them.
+    fixed_shape: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_decodes is None:
+        if self.fixed_shape:
+            self.num_decodes = self.num_reqs
+        elif self.num_decodes is None:
             starts, count = self.query_start_loc_cpu, 0
             while count < self.num_reqs and starts[count + 1] - starts[count] == 1:
                 count += 1
@@ -43,6 +52,19 @@ class AttentionMetadata:
 
     _decode_plan: DecodePlan | None = field(default=None, repr=False)
     _prefill_plan: PrefillPlan | None = field(default=None, repr=False)
+
+    @classmethod
+    def fixed_decode(cls,
+                     slot_mapping: torch.Tensor,     # [S] int64, PAD_SLOT_ID on padded rows
+                     query_start_loc: torch.Tensor,  # [S + 1] int64, 0..S
+                     seq_lens: torch.Tensor,         # [S] int64, 0 on padded rows
+                     block_tables: torch.Tensor,     # [S, max_blocks_per_req] int32
+                     ) -> AttentionMetadata:
+        """S one-token rows whose lengths and tables are read on the device only."""
+        size = slot_mapping.shape[0]
+        return cls(num_reqs=size, num_tokens=size, num_padded_tokens=size, slot_mapping=slot_mapping,
+                   query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+                   query_start_loc_cpu=[], seq_lens_cpu=[], max_seq_len=0, fixed_shape=True)
 
     @property
     def max_decode_seq_len(self) -> int:
@@ -179,7 +201,7 @@ def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
                                plan: DecodePlan,
                                scale: float) -> torch.Tensor:  # [B, Hq, Dv]
     """One query token per request, each group of rows over its longest row's table entries
-    (the torch reference of csrc/cpu_attention.cpp, and the path on GPUs)."""
+    (the torch reference of csrc/cpu_attention.cpp and of engine/ops/flex_attention.py)."""
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
     for rows, num_read in plan.group_rows:
         group_tables = tables.index_select(0, rows)[:, :num_read]
@@ -207,6 +229,9 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
     Must run after this step's K/V were written, so a request's own new tokens
     are in the cache too (prefill with a cached prefix and decode are one case).
     """
+    if meta.fixed_shape:  # every row reads the whole table width; nothing on the host
+        return flex_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
+                                                     meta.seq_lens, scale)
     num_heads = query.shape[1]
     out = query.new_zeros(query.shape[0], num_heads, value_cache.shape[-1])
     if meta.num_reqs == 0:
@@ -221,6 +246,11 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
             # The C++ kernel reads the blocks in place: same semantics as below, no gather.
             cpu_ops.paged_decode_attention(out[:decodes], query[:decodes], key_cache, value_cache,
                                            meta.block_tables, meta.seq_lens, plan.reads, plan.num_read, scale)
+        elif query.is_cuda and flex_attention.available():
+            # Every decode row reads plan.num_read entries (one group): the op the CUDA graphs replay.
+            out[:decodes] = flex_attention.paged_decode_attention(
+                query[:decodes], key_cache, value_cache, meta.block_tables[:decodes, :plan.num_read],
+                meta.seq_lens[:decodes], scale)
         else:
             out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
                                                        meta.block_tables[:decodes], meta.seq_lens[:decodes],

@@ -1,4 +1,5 @@
-"""Which implementation each op runs on a device: a csrc/ kernel, or the torch reference.
+"""Which implementation each op runs on a device: a csrc/ kernel (or a maintained one, such
+as torch's FlexAttention), or the torch reference.
 
 A kernel that is disabled (KVSENTRY_DISABLE_CPU_OPS, KVSENTRY_DISABLE_CUDA_OPS) or fails
 to build leaves its op on the torch reference, with the same results and less speed.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops import cpu_ops, cuda_ops
+from engine.ops import cpu_ops, cuda_ops, flex_attention
 
 TORCH_REFERENCE = "torch_reference"
 
@@ -25,30 +26,37 @@ class Kernel:
     available: Callable[[], bool]  # builds or loads it on the first call
 
 
-KERNELS = {
-    # Paged attention (MHA/GQA, and the MLA decode): csrc/cpu_attention.cpp.
-    "paged_attention": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
+KERNELS: dict[str, tuple[Kernel, ...]] = {  # at most one kernel per (op, device type)
+    # Paged attention (MHA/GQA, and the MLA decode): csrc/cpu_attention.cpp. On CUDA the decode
+    # rows of MHA/GQA models (all of a CUDA-graph step) run FlexAttention (engine/ops/flex_attention.py).
+    "paged_attention": (Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
+                        Kernel("flex_attention", "cuda", lambda: flex_attention.available())),
     # The cache writers (reshape_and_cache_flash, concat_and_cache_mla): csrc/cache_kernels.cu.
-    "kv_writer": Kernel("cuda_kernel", "cuda", lambda: cuda_ops.available()),
+    "kv_writer": (Kernel("cuda_kernel", "cuda", lambda: cuda_ops.available()),),
     # Sealed-block checksums: csrc/cpu_checksum.cpp (on a GPU the torch reference runs on the device).
-    "kv_checksum": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
+    "kv_checksum": (Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),),
     # The NaN sentinel's scan of 16- and 8-bit caches: csrc/cpu_nonfinite.cpp.
-    "kv_nan_scan": Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
+    "kv_nan_scan": (Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),),
 }
+
+
+def kernel_for(op: str, device: str | torch.device) -> Kernel | None:
+    """The kernel `op` has on `device`'s type, if any."""
+    device_type = torch.device(device).type
+    return next((kernel for kernel in KERNELS.get(op, ()) if kernel.device_type == device_type), None)
 
 
 def op_implementations(device: str | torch.device) -> dict[str, str]:
     """{op: implementation} of the engine's ops on `device`."""
-    device_type = torch.device(device).type
-    return {op: kernel.name if kernel.device_type == device_type and kernel.available() else TORCH_REFERENCE
-            for op, kernel in KERNELS.items()}
+    kernels = {op: kernel_for(op, device) for op in KERNELS}
+    return {op: kernel.name if kernel is not None and kernel.available() else TORCH_REFERENCE
+            for op, kernel in kernels.items()}
 
 
 def falling_back(implementations: dict[str, str], device: str | torch.device) -> list[str]:
     """The ops that have a kernel for `device` but run the torch reference."""
-    device_type = torch.device(device).type
     return [op for op, implementation in implementations.items()
-            if op in KERNELS and KERNELS[op].device_type == device_type and implementation == TORCH_REFERENCE]
+            if kernel_for(op, device) is not None and implementation == TORCH_REFERENCE]
 
 
 def describe(implementations: dict[str, str]) -> str:
