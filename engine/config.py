@@ -70,6 +70,19 @@ def default_pad_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+# The largest batch a decode CUDA graph is captured for (vLLM's cap); larger steps run eagerly.
+MAX_CUDA_GRAPH_SIZE = 512
+
+
+def default_cuda_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode batch sizes captured as CUDA graphs, vLLM's spacing: 1, 2, 4, every 8 up to
+    256, every 16 up to MAX_CUDA_GRAPH_SIZE, through the first size that holds max_num_seqs
+    decodes (so every decode step of a full batch replays a graph)."""
+    candidates = [1, 2, 4, *range(8, 256, 8), *range(256, MAX_CUDA_GRAPH_SIZE + 1, 16)]
+    largest = min(max_num_seqs, MAX_CUDA_GRAPH_SIZE)
+    return tuple(s for s in candidates if s < largest) + (next(s for s in candidates if s >= largest),)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The parts of a Hugging Face config.json the engine uses (for a GGUF file, the
@@ -203,6 +216,11 @@ class EngineConfig:
     kv_checksum_blocks_per_step: int = 16  # rolling mode: blocks the verification sweep visits per step
     strict_kv_writes: bool = False  # the KV writer refuses (skips) writes outside the step's blocks
     num_threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+    # Decode batch sizes captured as CUDA graphs (engine/worker/cuda_graphs.py), ascending;
+    # none given: default_cuda_graph_sizes(max_num_seqs). Only on CUDA, never with enforce_eager.
+    cuda_graph_sizes: tuple[int, ...] = ()
+    enforce_eager: bool = False  # no CUDA graphs: every step runs the model eagerly
+    cuda_graph_check_null_block: bool = False  # debug: verify block 0 is zero after every dummy replay
 
     @property
     def lockstep(self) -> bool:
@@ -262,6 +280,11 @@ class EngineConfig:
         if num_gpu_blocks < 2:
             raise ValueError("kv_cache_memory: budget leaves fewer than 2 KV blocks "
                              "(block 0 is reserved as the null block)")
+        sizes = tuple(kwargs.get("cuda_graph_sizes") or ())
+        if any(not isinstance(size, int) or size < 1 for size in sizes):
+            raise ValueError(f"cuda_graph_sizes: every size must be a positive integer, got {sizes}")
+        kwargs["cuda_graph_sizes"] = (tuple(sorted(set(sizes))) if sizes
+                                      else default_cuda_graph_sizes(kwargs.get("max_num_seqs", cls.max_num_seqs)))
         if "pad_buckets" not in kwargs:
             kwargs["pad_buckets"] = default_pad_buckets(max_num_batched_tokens)
         local = data_parallel_size_local if data_parallel_size_local is not None else data_parallel_size

@@ -45,6 +45,14 @@ class EngineArg:
         return config_default(self.name)
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' (or '1 2 4 8') -> (1, 2, 4, 8)."""
+    try:
+        return tuple(int(part) for part in text.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
 ENGINE_ARGS = (
     EngineArg("tokenizer", "tokenizer directory (tokenizer.json) or .gguf file to use instead of the model's "
               "own (none given: the model's)", type=str),
@@ -85,4 +93,11 @@ ENGINE_ARGS = (
               group="KV integrity"),
     EngineArg("strict_kv_writes", "refuse (skip) cache writes outside the blocks the step's requests own, "
               "instead of only counting them", group="KV integrity"),
+    EngineArg("cuda_graph_sizes", "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (none given: 1, 2, 4, "
+              "every 8 up to 256, every 16 beyond, through --max-num-seqs, at most 512); a decode step pads "
+              "to the next size", group="CUDA graphs", type=parse_sizes),
+    EngineArg("enforce_eager", "never capture CUDA graphs: every step runs the model eagerly", group="CUDA graphs"),
+    EngineArg("cuda_graph_check_null_block", "debug: after every dummy batch replayed through a CUDA graph, "
+              "verify the null block is bitwise zero on every layer (one host sync) and stop if not",
+              group="CUDA graphs"),
 )

@@ -1,6 +1,7 @@
 """Runs one step of the model over the paged cache and samples."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from engine.ops import cpu_ops
 from engine.ops.write_guard import WriteGuard
 from engine.worker.batch_builder import BatchBuilder, StepBatch
+from engine.worker.cuda_graphs import DecodeGraphs, eager_reason
 from engine.config import EngineConfig
 from engine.worker.kv_cache import allocate_kv_storage, layer_views
 from engine.worker.loader import load_model
@@ -15,6 +17,8 @@ from engine.messages import TokenLogprob
 from engine.models.layers import StepContext
 from engine.worker.sampler import Sampler, token_logprobs
 from engine.core.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,9 +43,21 @@ class ModelRunner:
         self.write_guard = WriteGuard(config.num_blocks, config.block_size, config.device, config.strict_kv_writes)
         if torch.device(config.device).type == "cpu":
             cpu_ops.available()  # build (or load) the CPU attention kernel now, not inside a step
+        # Pure-decode steps (and dummy batches) up to the largest size replay CUDA graphs.
+        self.graphs: DecodeGraphs | None = None
+        reason = eager_reason(config)
+        if reason is None:
+            self.graphs = DecodeGraphs(config, self.model, self.kv_storage, self.kv_caches,
+                                       self.null_block_writes, self.write_guard)
+            with torch.inference_mode():
+                self.graphs.capture()  # raises, naming the layers, if capture dirtied the null block
+        elif config.device.startswith("cuda"):
+            log.info("decode steps run eagerly: %s", reason)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         ctx = StepContext(meta=batch.meta, kv_caches=self.kv_caches, null_block_writes=self.null_block_writes,
                           write_guard=self.write_guard)
         return self.model(batch.input_ids, batch.positions, ctx)
