@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check of csrc/, prepared for one run on a lent GPU (an H200: about 3-5 minutes):
+# The GPU check of csrc/, prepared for one run on a lent GPU (an H200: about 4-6 minutes):
 #   1. JIT-build the CUDA ops (engine/ops/cuda_ops.py) into a fresh extension directory
 #   2. pytest -m gpu tests/gpu  (kernels vs the torch reference bit for bit, graphs, compile,
 #      and the whole engine on CUDA vs CPU, tiny Llama and tiny DeepSeek-V3)
-#   3. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
-#   4. with 2+ visible GPUs: DP=2 placement (engine/dp/placement.py): rank l on cuda:l, NCCL for
+#   3. CUDA graphs, DP=1 (engine/worker/cuda_graphs.py): greedy tokens of the engine on CUDA eager,
+#      CUDA graphs and CPU identical (float32 tiny Llama); 1000 dummy batches replayed through the
+#      graphs with the null block checked after each; decode tokens/s, graphs vs eager, at batch
+#      1/8/32 (about a minute)
+#   4. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
+#   5. with 2+ visible GPUs: DP=2 placement (engine/dp/placement.py): rank l on cuda:l, NCCL for
 #      the lockstep all-reduce and the EP all-gather / reduce-scatter, tokens equal to the CPU
 #      engine's (about a minute). With one GPU it is skipped: the DP=1 CUDA engine run with the
 #      null-block check is in step 2 (tests/gpu/test_engine_gpu.py).
-#   5. a summary; exit 0 only when every step passed (a skipped placement step is not a failure)
+#   6. a summary; exit 0 only when every step passed (a skipped placement step is not a failure)
 # Before any of it: wheels carried in .whl/ (scripts/gpu_wheels.sh; the lent machine reaches no
 # package registry) go into a private site directory, and every module the check imports must
 # load, or it stops at once, naming what is missing, before spending device time on a build.
@@ -143,6 +147,139 @@ if [ "${STATUS[build]}" = PASS ]; then
   PYTEST_ARGS=(-m gpu tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml")
   "$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST_ARGS+=(--timeout=180)
   run_step tests 270 tests.log -- "$PY" -m pytest "${PYTEST_ARGS[@]}"
+  # A file like the DP=2 program below; tests/csrc/test_benchmark_and_gpu_script.py runs it with "cpu".
+  cat > "$OUT_DIR/cuda_graphs_check.py" <<'GRAPHS_EOF'
+"""CUDA graphs check (DP=1): greedy tokens of the engine on CUDA eager, on CUDA graphs and on the
+CPU identical (a float32 tiny Llama); >= 1000 dummy batches replayed through the graphs with the
+null block checked bitwise zero after every one and the cache bitwise unchanged; decode tokens/s,
+graphs vs eager, at batch 1, 8 and 32. With "cpu" instead of "cuda" the same program runs the
+graphs' fixed-shape forward eagerly over the same persistent buffers (no graph is captured on a
+CPU): tests/csrc/test_benchmark_and_gpu_script.py runs it that way on any machine."""
+import sys
+import tempfile
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.messages import EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.worker.cuda_graphs import DecodeGraphs, NullBlockDirtied
+from service.demo.checkpoint import write_preset
+
+PROMPTS = [list(range(5, 17)), [7, 8, 9], list(range(20, 61)), [3], list(range(100, 119))]
+ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory="64MiB", max_num_seqs=32)
+DUMMY_SIZES = (1, 3, 8, 13, 32, 5, 24, 2)  # every size pads to a captured one; 13 after 32 leaves none stale
+BATCHES = (1, 8, 32)
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def make_core(path: str, device: str, graphs: bool, **kwargs) -> EngineCore:
+    core = EngineCore(EngineConfig.create(path, device=device, enforce_eager=not graphs, **ENGINE_ARGS, **kwargs))
+    runner = core.runner
+    if graphs and device == "cpu":  # what the runner does on a GPU, minus the graphs themselves
+        runner.graphs = DecodeGraphs(core.config, runner.model, runner.kv_storage, runner.kv_caches,
+                                     runner.null_block_writes, runner.write_guard)
+        with torch.inference_mode():
+            runner.graphs.capture()
+    if graphs != (runner.graphs is not None):
+        raise SystemExit(f"FAIL: decode graphs {'missing' if graphs else 'present'} on {device}")
+    return core
+
+
+def greedy(core: EngineCore, max_tokens: int = 16) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):  # ragged lengths, all finishing together: decode batches of 5
+        core.add_request(EngineRequest(f"g{i}", prompt, params))
+    tokens: dict[str, list[int]] = {f"g{i}": [] for i in range(len(PROMPTS))}
+    while core.has_unfinished:
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+    return list(tokens.values())
+
+
+def dummy_replays(core: EngineCore, count: int) -> list[str]:
+    """Replay `count` dummy batches after real traffic; the problems found (none: passed)."""
+    greedy(core, 4)  # real K/V in the cache and real rows in the buffers first
+    runner = core.runner
+    before = runner.kv_storage.clone()
+    replays, problems = runner.graphs.replays, []
+    try:
+        for i in range(count):
+            core.run_dummy(DUMMY_SIZES[i % len(DUMMY_SIZES)])  # each checks the null block (debug option)
+    except NullBlockDirtied as error:
+        problems.append(str(error))
+    if runner.graphs.replays - replays != count:
+        problems.append(f"{runner.graphs.replays - replays} of {count} dummy batches went through the graphs")
+    if not torch.equal(before.view(torch.uint8), runner.kv_storage.view(torch.uint8)):
+        problems.append("dummy batches changed the KV cache")
+    if runner.graphs.null_block_dirty_layers() or int(runner.null_block_writes.item()):
+        problems.append("the null block was written")
+    return problems
+
+
+def decode_rate(core: EngineCore, device: str, batch: int, steps: int) -> float:
+    """Decode tokens/s of `batch` requests over `steps` timed decode steps (prefill untimed)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(EngineRequest(f"b{batch}-{i}", list(range(5 + i, 13 + i)), params))
+    core.step()  # prefill: every prompt in one step
+    core.step()  # a first decode step, untimed
+    sync(device)
+    start, count = time.perf_counter(), 0
+    while core.has_unfinished:
+        core.step()
+        count += 1
+    sync(device)
+    return batch * count / (time.perf_counter() - start)
+
+
+def main(device: str, dummies: int, steps: int) -> int:
+    start = time.time()
+    if device != "cpu":  # float32 on both sides: no TF32 in the GPU's matmuls
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    path = tempfile.mkdtemp(prefix="kvsentry-graphs-")
+    write_preset(path, "tiny-llama", init_scale=0.3)
+    ok = True
+    graphs = make_core(path, device, graphs=True, cuda_graph_check_null_block=True, dummy_batch_random_inputs=True)
+    eager = make_core(path, device, graphs=False)
+    print(f"decode graph sizes on {device}: {graphs.config.cuda_graph_sizes} "
+          f"({'captured CUDA graphs' if graphs.runner.graphs.graphs else 'fixed-shape forward run eagerly'})")
+    results = {"cpu eager": greedy(eager if device == "cpu" else make_core(path, "cpu", graphs=False))}
+    if device != "cpu":
+        results[f"{device} eager"] = greedy(eager)
+    results[f"{device} graphs"] = greedy(graphs)
+    reference = results["cpu eager"]
+    for name, tokens in results.items():
+        same = tokens == reference
+        ok &= same
+        print(f"greedy tokens, {name}: {'identical to cpu eager' if same else 'DIFFER from cpu eager'}")
+        if not same:
+            print(f"  {tokens}\n  {reference}")
+    problems = dummy_replays(graphs, dummies)
+    ok &= not problems
+    print(f"{dummies} dummy batches through the graphs, null block checked after each: "
+          + ("; ".join(problems) if problems else "null block zero, cache bitwise unchanged"))
+    for batch in BATCHES:
+        fast, slow = decode_rate(graphs, device, batch, steps), decode_rate(eager, device, batch, steps)
+        print(f"decode tokens/s at batch {batch:>2} on {device}: graphs {fast:9.1f}, eager {slow:9.1f} "
+              f"({fast / slow:.2f}x)")
+    print(f"{'PASS' if ok else 'FAIL'}: CUDA graphs check on {device} in {time.time() - start:.1f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cuda", int(sys.argv[2]) if len(sys.argv) > 2 else 1000,
+                  int(sys.argv[3]) if len(sys.argv) > 3 else 32))
+GRAPHS_EOF
+  run_step graphs 180 graphs.log -- env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$OUT_DIR/cuda_graphs_check.py" cuda
   run_step bandwidth 150 bandwidth.log -- "$PY" benchmarks/kv_write_bandwidth.py --fp8 \
     --json "$OUT_DIR/bandwidth.json"
   GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
@@ -220,13 +357,14 @@ DP2_EOF
   fi
 else
   STATUS[tests]="SKIPPED (no build)"
+  STATUS[graphs]="SKIPPED (no build)"
   STATUS[bandwidth]="SKIPPED (no build)"
   STATUS[placement]="SKIPPED (no build)"
 fi
 
 say "summary"
 overall=0
-for step in build tests bandwidth placement; do
+for step in build tests graphs bandwidth placement; do
   printf '  %-10s %-22s %ss\n' "$step" "${STATUS[$step]}" "${SECONDS_TAKEN[$step]:--}"
   case "$step ${STATUS[$step]}" in "placement SKIPPED (1 GPU)"|"$step PASS") ;; *) overall=1 ;; esac
 done
@@ -235,6 +373,9 @@ if [ -f "$OUT_DIR/tests.log" ]; then
   echo "  tests:     ${line:-no pytest summary line}"
   case $line in *" passed"*) ;; *) overall=1; echo "  tests:     nothing passed: on a GPU machine that is a failure" ;; esac
   grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | head -n 20 | sed 's/^/    /'
+fi
+if [ -f "$OUT_DIR/graphs.log" ]; then
+  grep -E '^(greedy tokens|decode tokens/s|[0-9]+ dummy batches)' "$OUT_DIR/graphs.log" | sed 's/^/  graphs:    /'
 fi
 if [ -f "$OUT_DIR/bandwidth.log" ]; then
   target=$(grep '^target:' "$OUT_DIR/bandwidth.log")

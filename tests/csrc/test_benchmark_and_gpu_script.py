@@ -238,11 +238,16 @@ def test_gpu_check_names_a_missing_module_before_building(tmp_path):
     assert not (tmp_path / "out" / "build.log").exists()
 
 
-def dp2_placement_program() -> str:
-    """The DP=2 placement check gpu_check.sh runs with 2+ GPUs (its heredoc)."""
+def heredoc_program(marker: str) -> str:
+    """A program gpu_check.sh writes from its heredoc `marker` and runs."""
     text = SCRIPT.read_text()
-    start = text.index("<<'DP2_EOF'\n") + len("<<'DP2_EOF'\n")
-    return text[start:text.index("\nDP2_EOF\n", start)]
+    start = text.index(f"<<'{marker}'\n") + len(f"<<'{marker}'\n")
+    return text[start:text.index(f"\n{marker}\n", start)]
+
+
+def dp2_placement_program() -> str:
+    """The DP=2 placement check gpu_check.sh runs with 2+ GPUs."""
+    return heredoc_program("DP2_EOF")
 
 
 def test_gpu_check_runs_placement_only_with_two_gpus_and_one_gpu_is_no_failure():
@@ -250,7 +255,7 @@ def test_gpu_check_runs_placement_only_with_two_gpus_and_one_gpu_is_no_failure()
     assert 'if [ "${GPUS:-0}" -ge 2 ]; then' in text
     assert 'cat > "$OUT_DIR/dp2_placement.py" <<\'DP2_EOF\'' in text
     assert '"$PY" "$OUT_DIR/dp2_placement.py" cuda' in text
-    assert '"placement SKIPPED (1 GPU)"' in text and "for step in build tests bandwidth placement" in text
+    assert '"placement SKIPPED (1 GPU)"' in text and "for step in build tests graphs bandwidth placement" in text
 
 
 @no_cuda
@@ -264,3 +269,28 @@ def test_gpu_check_dp2_placement_program_runs_on_cpu(tmp_path):
                           cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS: DP=2 placement check" in proc.stdout
+
+
+def test_gpu_check_runs_the_cuda_graphs_program_after_the_tests():
+    text = SCRIPT.read_text()
+    assert 'cat > "$OUT_DIR/cuda_graphs_check.py" <<\'GRAPHS_EOF\'' in text
+    assert '"$PY" "$OUT_DIR/cuda_graphs_check.py" cuda' in text
+    assert text.index("run_step tests") < text.index("run_step graphs") < text.index("run_step bandwidth")
+    assert 'STATUS[graphs]="SKIPPED (no build)"' in text
+
+
+@no_cuda
+def test_gpu_check_cuda_graphs_program_runs_on_cpu(tmp_path):
+    """The CUDA graphs program with "cpu" (fewer dummy batches and decode steps): the graphs'
+    fixed-shape forward run eagerly over the same buffers against the CPU engine, the dummy loop
+    with the null-block check, and the decode-rate lines, so a GPU run only adds the graphs."""
+    program = tmp_path / "cuda_graphs_check.py"
+    program.write_text(heredoc_program("GRAPHS_EOF"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(program), "cpu", "24", "3"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "greedy tokens, cpu graphs: identical to cpu eager" in proc.stdout
+    assert "24 dummy batches through the graphs, null block checked after each: null block zero" in proc.stdout
+    assert all(f"decode tokens/s at batch {batch:>2} on cpu: graphs" in proc.stdout for batch in (1, 8, 32))
+    assert "PASS: CUDA graphs check on cpu" in proc.stdout
