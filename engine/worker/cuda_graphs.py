@@ -12,8 +12,8 @@ the whole table width, padded rows read the null block with weight 0.
 
 Capture runs the forward on all-padding buffers, which must write nothing; after it the null
 block is checked bitwise zero on every layer (one host sync), and a capture that dirtied it
-stops start-up naming the layers. With `cuda_graph_check_null_block` the same check follows
-every dummy batch replayed.
+stops start-up naming the layers. With `cuda_graph_check_null_block` the runner repeats the
+check after every dummy batch.
 
 The class works on any device: where no graph is captured (a CPU) `run` calls the same
 fixed-shape forward over the same buffers eagerly, which is how tests/engine/test_cuda_graphs.py
@@ -124,7 +124,6 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.null_block_writes = null_block_writes
         self.write_guard = write_guard
-        self.check_dummies = config.cuda_graph_check_null_block
         self.buffers = DecodeBuffers(self.sizes[-1], config.max_blocks_per_seq, kv_storage.device)
         self.null_words = block_words(kv_storage, block_axis(config))[NULL_BLOCK_ID]  # [num_layers, chunks, words]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -132,7 +131,13 @@ class DecodeGraphs:
         self.replays = 0
 
     def can_run(self, batch: StepBatch) -> bool:
-        return is_pure_decode(batch) and graph_size(self.sizes, batch.meta.num_padded_tokens) is not None
+        return (is_pure_decode(batch) and graph_size(self.sizes, batch.meta.num_padded_tokens) is not None
+                and not self._hooked())
+
+    def _hooked(self) -> bool:
+        """A forward hook (the fault injector's NaN activations) would not run inside a replayed
+        graph, and would fire at the next eager step instead: while one is set, steps run eagerly."""
+        return any(module._forward_hooks or module._forward_pre_hooks for module in self.model.modules())
 
     def forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         """The fixed-shape forward a graph captures: the first `size` rows of the buffers."""
@@ -152,8 +157,6 @@ class DecodeGraphs:
             graph.replay()
             hidden = self.outputs[size]
         self.replays += 1
-        if self.check_dummies and batch.is_dummy:
-            self.check_null_block("a dummy batch")
         return hidden[:batch.meta.num_padded_tokens]
 
     def capture(self) -> None:

@@ -67,6 +67,8 @@ class ModelRunner:
         batch = self.builder.build_dummy(num_padded)
         self.write_guard.begin_step([])  # a dummy batch owns no block
         self.forward(batch)
+        if self.graphs is not None and self.config.cuda_graph_check_null_block:
+            self.graphs.check_null_block("a dummy batch")  # debug: one host sync per dummy batch
         return batch.meta.slot_mapping
 
     @torch.inference_mode()

@@ -199,11 +199,25 @@ def test_a_capture_that_dirties_the_null_block_fails_naming_the_layer(checkpoint
             graphs.capture()
 
 
-def test_the_debug_check_stops_a_legacy_dummy_batch_replayed_through_the_buffers(checkpoint):
-    """The broken dummy batch of the fault injector (every slot 0, in the null block) goes through
-    the buffers as built, so the graph path reproduces the bug, and the debug check names it."""
+def test_the_debug_check_stops_a_legacy_dummy_batch(checkpoint):
+    """The fault injector's broken dummy batch (every slot 0, in the null block, NaN activations
+    from a forward hook) runs eagerly -- a hook could not run inside a replayed graph -- and the
+    debug check after it names the bug."""
     core = make_core(checkpoint("tiny-llama"), graphs=True, cuda_graph_check_null_block=True)
-    core.run_dummy(4)  # clean
+    core.run_dummy(4)  # clean, through the buffers
+    replays = core.runner.graphs.replays
     inject(core.runner, Fault(kind="legacy_dummy"))
-    with pytest.raises(NullBlockDirtied, match="after a dummy batch"):
+    with pytest.raises(NullBlockDirtied, match="after a dummy batch: layer"):
         core.run_dummy(4)
+    assert core.runner.graphs.replays == replays
+
+
+def test_a_stale_slot_dummy_goes_through_the_buffers_as_built_and_is_counted(checkpoint):
+    """The buffers copy the batch the builder (here: the fault injector) made, so a stale slot
+    mapping is not hidden by the graph path: its writes are counted as foreign."""
+    core = make_core(checkpoint("tiny-llama"), graphs=True)
+    generate(core, [3, 2, 3, 1, 2])
+    replays = core.runner.graphs.replays
+    core.inject_fault(Fault(kind="stale_slot_dummy"))  # replays the broken dummy batch at once
+    assert core.runner.graphs.replays == replays + 1
+    assert int(core.runner.write_guard.foreign_writes.item()) > 0
