@@ -37,6 +37,11 @@
 #include <limits>
 #include <optional>
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -126,12 +131,20 @@ typedef uint16_t vu16x16 __attribute__((vector_size(32)));
 typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 
 inline vf16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // Two instructions (zero-extend the halves, shift); the generic form below compiles to a
+  // chain of extracts and inserts, and this load is the inner loop of the value product.
+  const __m512 v = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return reinterpret_cast<const vf16&>(v);
+#else
   vu16x16 halves;
   std::memcpy(&halves, p, sizeof halves);
   const vu32x16 bits = __builtin_convertvector(halves, vu32x16) << 16;
   vf16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
 
 // Tree sum of 16 lanes (a running scalar sum would be a 16-add dependency chain).
@@ -172,6 +185,85 @@ struct RowOps<false> {
   static void axpy(float p, const scalar_t* x, float* acc, int64_t dim) { ::axpy(p, x, acc, dim); }
 };
 
+#if defined(__AVX512F__)
+// Scores sixteen keys at a time (AVX-512 builds). A score is a 16-lane product summed
+// across its lanes; summing each key's lanes on its own (hsum16 per key and query head)
+// was most of the kernel's time. Here the sixteen keys' lane vectors are reduced
+// together: four rounds of shuffles and adds leave key t's sum in lane t.
+constexpr bool kTiles = true;
+
+inline __m512 reduce16(const __m512* v) {  // lane i = the sum of v[i]'s 16 lanes
+  __m512 w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i] (low + high half), lanes 8-15: v[2i+1]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit quarter k: v[4j + k]
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  }
+  for (int m = 0; m < 2; ++m) {  // quarter k, lanes 0-1: v[8m + k], lanes 2-3: v[8m + 4 + k]
+    u[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x44),
+                         _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0xEE));
+  }
+  // Lane 4k + j: v[4j + k]. Put v[i] in lane i.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
+// Lane t < n: q . k_t, for the n <= 16 key rows at k + t * stride (float accumulation of the
+// widened rows, any cache dtype); lanes past n: 0.
+template <typename scalar_t>
+inline __m512 tile_dot(const float* q, const scalar_t* k, int64_t stride, int n, int64_t dim) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const scalar_t* row = k + t * stride;
+      vf16 a = load16(q) * load16(row);
+      for (int64_t c = 1; c < dim / 16; ++c) a += load16(q + 16 * c) * load16(row + 16 * c);
+      acc[t] = reinterpret_cast<const __m512&>(a);
+    } else {
+      acc[t] = _mm512_setzero_ps();
+    }
+  }
+  return reduce16(acc);
+}
+
+// The same for a bfloat16 query and cache on CPUs with AVX512-BF16: vdpbf16ps multiplies
+// bf16 pairs exactly and adds them in float32, 32 dims per instruction with no widening.
+// The query is bf16 already (the q projection's output), so nothing is rounded that the
+// float path keeps; only the summation order (and denormal inputs, which it reads as 0)
+// differ from tile_dot.
+__attribute__((target("avx512f,avx512bf16"), noinline)) __m512 tile_dot_bf16(const c10::BFloat16* q,
+                                                                                 const c10::BFloat16* k,
+                                                                                 int64_t stride, int n,
+                                                                                 int64_t dim) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    if (t < n) {
+      const c10::BFloat16* row = k + t * stride;
+      for (int64_t c = 0; c < dim / 32; ++c) {
+        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(q + 32 * c),
+                                  (__m512bh)_mm512_loadu_si512(row + 32 * c));
+      }
+    }
+  }
+  return reduce16(acc);
+}
+
+bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#else
+constexpr bool kTiles = false;
+bool cpu_has_bf16_dot() { return false; }
+#endif
+
+// Tests turn the bf16 dot product off to check the widening path on the same CPU.
+std::atomic<bool> g_bf16_dot_enabled{true};
+
 // Ask for the next block's rows while this block computes: table order is arbitrary, so
 // the hardware prefetcher cannot guess it, and the kernel is otherwise memory-latency bound.
 template <typename scalar_t>
@@ -191,6 +283,85 @@ struct Scratch {
   float& operator[](int64_t i) { return data[i]; }
   float* data;
 };
+
+// acc[g * v_dim + d] = sum over positions of probs[g * span + pos] * v[pos][d] for the G query
+// heads sharing a KV head: one 16-lane output chunk at a time, accumulated in registers (G is
+// a compile-time constant, or the accumulators live on the stack), each V row loaded (and
+// widened) once for the whole group. A head's V rows stay in L2 across the chunks.
+template <int G, typename scalar_t>
+void value_product(const scalar_t* vc, int64_t vs0, int64_t vs1, const int32_t* table, int64_t ts1, int64_t reads,
+                   int64_t block_size, const float* probs, int64_t span, int64_t v_dim, float* acc) {
+  for (int64_t c = 0; c < v_dim / 16; ++c) {
+    vf16 a[G] = {};
+    for (int64_t j = 0; j < reads; ++j) {
+      const scalar_t* vblock = vc + static_cast<int64_t>(table[j * ts1]) * vs0 + 16 * c;
+      const float* pj = probs + j * block_size;
+      for (int64_t t = 0; t < block_size; ++t) {
+        const vf16 v = load16(vblock + t * vs1);
+        for (int g = 0; g < G; ++g) a[g] += pj[g * span + t] * v;
+      }
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(acc + g * v_dim + 16 * c, &a[g], sizeof a[g]);
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kMaxTileGroup = 64;  // query heads per KV head the tiled scores handle
+
+// probs[g * span + pos] = scale * (q_g . k_pos) for the positions pos < len, -inf past it,
+// over the row's `reads` table entries; top[g] = the largest score, NaN when any score is
+// NaN (as torch's max, so the softmax spreads it).
+template <typename scalar_t>
+void scores_tiled(const scalar_t* q, int64_t qs1, const float* qf, const scalar_t* kc, int64_t ks0, int64_t ks1,
+                  const scalar_t* vc, int64_t vs0, int64_t vs1, int64_t v_dim,
+                  const int32_t* table, int64_t ts1, int64_t reads, int64_t block_size, int64_t len, int64_t group,
+                  int64_t head_dim, int64_t span, float scale, float* probs, float* top, bool bf16_dot) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 best[kMaxTileGroup];
+  __mmask16 nan[kMaxTileGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    best[g] = neg_inf;
+    nan[g] = 0;
+  }
+  for (int64_t j = 0; j < reads; ++j) {
+    const scalar_t* kblock = kc + static_cast<int64_t>(table[j * ts1]) * ks0;
+    if (j + 1 < reads) {
+      prefetch_rows(kc + static_cast<int64_t>(table[(j + 1) * ts1]) * ks0, block_size, ks1, head_dim);
+    }
+    // The value rows too, for the value product that follows: it walks the same blocks.
+    prefetch_rows(vc + static_cast<int64_t>(table[j * ts1]) * vs0, block_size, vs1, v_dim);
+    for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
+      const int64_t pos0 = j * block_size + t0;
+      const int n = static_cast<int>(std::min<int64_t>(16, block_size - t0));
+      const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      if (pos0 >= len) {  // all masked: no key to read
+        for (int64_t g = 0; g < group; ++g) _mm512_mask_storeu_ps(probs + g * span + pos0, lanes, neg_inf);
+        continue;
+      }
+      const int live_n = static_cast<int>(std::min<int64_t>(n, len - pos0));
+      const __mmask16 live = live_n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live_n) - 1);
+      const scalar_t* krows = kblock + t0 * ks1;
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 s;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          s = bf16_dot ? tile_dot_bf16(q + g * qs1, krows, ks1, n, head_dim)
+                       : tile_dot(qf + g * head_dim, krows, ks1, n, head_dim);
+        } else {
+          s = tile_dot(qf + g * head_dim, krows, ks1, n, head_dim);
+        }
+        s = _mm512_mask_blend_ps(live, neg_inf, _mm512_mul_ps(s, scale_v));
+        nan[g] |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+        best[g] = _mm512_max_ps(best[g], s);
+        _mm512_mask_storeu_ps(probs + g * span + pos0, lanes, s);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    top[g] = nan[g] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best[g]);
+  }
+}
+#endif
 
 template <typename scalar_t, bool kWide>
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
@@ -214,6 +385,8 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
   const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
   const int64_t ts0 = block_tables.stride(0), ts1 = block_tables.stride(1);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  [[maybe_unused]] const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0 &&
+                                         cpu_has_bf16_dot() && g_bf16_dot_enabled.load(std::memory_order_relaxed);
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     using Ops = RowOps<kWide>;
@@ -229,6 +402,13 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         top[g] = kNegInf;
       }
       // Scores, masked past the sequence's length.
+#if defined(__AVX512F__)
+      if (kWide && group <= kMaxTileGroup) {
+        scores_tiled<scalar_t>(q + b * qs0 + h * group * qs1, qs1, qf.data, kc + h * ks2, ks0, ks1,
+                               vc + h * vs2, vs0, vs1, v_dim, tables + b * ts0, ts1, reads, block_size, len, group, head_dim, span, scale,
+                               probs.data, top.data, bf16_dot);
+      } else
+#endif
       for (int64_t j = 0; j < reads; ++j) {
         const scalar_t* kblock = kc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * ks0 + h * ks2;
         if (j + 1 < reads) {
@@ -279,18 +459,16 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         // hide the FMA latency); a head's V rows stay in L2 across the chunks. Small query
         // groups load (and widen) each V row once for the whole group.
         if (group <= kMaxSharedGroup) {
-          for (int64_t c = 0; c < v_dim / 16; ++c) {
-            vf16 a[kMaxSharedGroup] = {};
-            for (int64_t j = 0; j < reads; ++j) {
-              const scalar_t* vblock =
-                  vc + static_cast<int64_t>(tables[b * ts0 + j * ts1]) * vs0 + h * vs2 + 16 * c;
-              for (int64_t t = 0; t < block_size; ++t) {
-                const vf16 v = load16(vblock + t * vs1);
-                const float* pj = &probs[j * block_size + t];
-                for (int64_t g = 0; g < group; ++g) a[g] += pj[g * span] * v;
-              }
-            }
-            for (int64_t g = 0; g < group; ++g) std::memcpy(&acc[g * v_dim + 16 * c], &a[g], sizeof a[g]);
+          const scalar_t* vhead = vc + h * vs2;
+          const int32_t* table = tables + b * ts0;
+          switch (group) {
+#define KVS_VALUE_CASE(G)                                                                                        \
+  case G:                                                                                                        \
+    value_product<G>(vhead, vs0, vs1, table, ts1, reads, block_size, probs.data, span, v_dim, acc.data);  \
+    break;
+            KVS_VALUE_CASE(1) KVS_VALUE_CASE(2) KVS_VALUE_CASE(3) KVS_VALUE_CASE(4)
+            KVS_VALUE_CASE(5) KVS_VALUE_CASE(6) KVS_VALUE_CASE(7) KVS_VALUE_CASE(8)
+#undef KVS_VALUE_CASE
           }
         } else for (int64_t g = 0; g < group; ++g) {
           for (int64_t c = 0; c < v_dim / 16; ++c) {
@@ -425,12 +603,20 @@ void paged_decode_attention_meta(Tensor& out, const Tensor& query, const Tensor&
   check(out, query, key_cache, value_cache, block_tables, seq_lens, read_blocks, num_read_blocks);
 }
 
+// Whether bf16 scores use AVX512-BF16 dot products (the CPU has them and they are not
+// turned off); `enable` turns them on or off first (tests check both paths on one CPU).
+bool cpu_bf16_dot(std::optional<bool> enable) {
+  if (enable.has_value()) g_bf16_dot_enabled.store(*enable);
+  return cpu_has_bf16_dot() && g_bf16_dot_enabled.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor? read_blocks, int num_read_blocks, float scale) -> ()");
+  m.def("cpu_bf16_dot(bool? enable=None) -> bool", &cpu_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention_cpu); }

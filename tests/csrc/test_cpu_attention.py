@@ -3,11 +3,15 @@ reference (engine.ops.attention.decode_attention_reference): values, NaN propaga
 null block, layouts, dtypes and the op's checks. Needs the ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.ops import attention
 from engine.ops import cpu_ops
+from engine.ops.cuda_ops import cpu_capability as cpu_ops_capability
 from engine.ops.attention import (PAD_SLACK_BLOCKS, AttentionMetadata, DecodePlan, decode_attention_reference,
                               paged_attention, plan_decode_reads)
 
@@ -277,3 +281,40 @@ def test_prefill_rows_match_sdpa(kvsentry_ops, monkeypatch, dtype):
     slow = paged_attention(query, k, v, meta, 0.2)
     torch.testing.assert_close(fast.float(), slow.float(), rtol=TOL[dtype], atol=TOL[dtype])
     assert torch.equal(fast[starts[-1]:], torch.zeros_like(fast[starts[-1]:]))
+
+
+@pytest.fixture
+def bf16_dot(kvsentry_ops):
+    """Turns the AVX512-BF16 scores on or off for one test; restores the default after."""
+    yield kvsentry_ops.cpu_bf16_dot
+    kvsentry_ops.cpu_bf16_dot(True)
+
+
+@pytest.mark.parametrize("use_dot", [True, False], ids=["bf16_dot", "widened"])
+@pytest.mark.parametrize("heads, head_dim, block_size", [
+    ((9, 3), 64, 16),    # the default model's shape
+    ((4, 4), 96, 24),    # a partial 16-key tile per block
+    ((8, 1), 32, 40),    # 8 query heads on one KV head, 2.5 tiles per block
+    ((10, 1), 64, 8),    # 10 heads: the group too large for the shared value product
+    ((6, 2), 48, 16),    # head_dim not a multiple of 32: no dot products
+    ((80, 1), 32, 16),   # more heads per KV head than the tiled scores take
+])
+def test_score_paths_match_reference(kvsentry_ops, bf16_dot, use_dot, heads, head_dim, block_size):
+    """The tiled scores (16 keys per shuffle reduction), with the bf16 dot products and
+    without, against the reference; both paths when this CPU has AVX512-BF16."""
+    bf16_dot(use_dot)
+    case = make_case(num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
+                     dtype=torch.bfloat16, num_blocks=200, max_len=130)
+    out, ref = run_kernel(kvsentry_ops, *case), run_reference(*case)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
+    f32 = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in case]
+    torch.testing.assert_close(run_kernel(kvsentry_ops, *f32), run_reference(*f32), rtol=2e-6, atol=2e-6)
+
+
+def test_bf16_dot_reports_the_cpu(kvsentry_ops, bf16_dot):
+    """On when the CPU has AVX512-BF16 (and the build AVX-512), off when turned off."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or cpu_ops_capability() != "AVX512":
+        pytest.skip("needs Linux's /proc/cpuinfo and an AVX-512 build")
+    assert bf16_dot(None) == bool(re.search(r"\bavx512_bf16\b", cpuinfo.read_text()))
+    assert bf16_dot(False) is False
