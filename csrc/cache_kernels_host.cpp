@@ -2,7 +2,7 @@
 // (cache_kernels.cuh) executed on the CPU, token by token and thread by
 // thread, with the plan the GPU launch would use. It backs the ops' CPU
 // implementation, which the CPU tests compare bit for bit with the torch
-// reference; the engine itself uses the torch reference on CPU.
+// reference; the engine runs it for CPU caches (engine/ops/kv_writer.py).
 //
 // Built without KVSENTRY_WITH_CUDA (a CPU-only build), this file also
 // provides the GPU entry points as stubs that report KVS_ERR_NO_CUDA.

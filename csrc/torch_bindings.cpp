@@ -11,7 +11,7 @@
 //   CUDA: the kernels of cache_kernels.cu, on the current stream (CUDA-graph
 //         capture safe; nothing here syncs).
 //   CPU:  the same per-token code run on the host (cache_kernels_host.cpp),
-//         for tests; the engine uses the torch reference on CPU.
+//         which the engine runs for CPU caches (engine/ops/kv_writer.py).
 //   Meta: the checks alone, the fake implementation torch.compile traces
 //         through. Sizes are read as SymInts so symbolic shapes trace.
 //

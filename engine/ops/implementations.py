@@ -32,7 +32,9 @@ KERNELS: dict[str, tuple[Kernel, ...]] = {  # at most one kernel per (op, device
     "paged_attention": (Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),
                         Kernel("flex_attention", "cuda", lambda: flex_attention.available())),
     # The cache writers (reshape_and_cache_flash, concat_and_cache_mla): csrc/cache_kernels.cu.
-    "kv_writer": (Kernel("cuda_kernel", "cuda", lambda: cuda_ops.available()),),
+    # On CPU the same kernels' per-token code run on the host (csrc/cache_kernels_host.cpp).
+    "kv_writer": (Kernel("cuda_kernel", "cuda", lambda: cuda_ops.available()),
+                  Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available())),
     # Sealed-block checksums: csrc/cpu_checksum.cpp (on a GPU the torch reference runs on the device).
     "kv_checksum": (Kernel("cpu_kernel", "cpu", lambda: cpu_ops.available()),),
     # The NaN sentinel's scan of 16- and 8-bit caches: csrc/cpu_nonfinite.cpp.

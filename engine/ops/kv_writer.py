@@ -4,13 +4,15 @@ Both ops skip `slot < 0` (PAD_SLOT_ID), so padded and dummy tokens write
 nothing, and both count the writes whose slot falls in the null block (block
 0), which must stay zero for the engine's whole life. Given the step's WriteGuard, they
 also count the writes outside the blocks the step's requests own (engine/ops/write_guard.py). On CUDA they dispatch to
-the kernels in csrc/ (engine/ops/cuda_ops.py); everywhere else to the torch
-references below, which define the semantics the kernels must match bit for bit.
+the kernels in csrc/ (engine/ops/cuda_ops.py), on CPU to the same per-token code run on
+the host; without a build, to the torch references below, which define the semantics the
+kernels must match bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
+from engine.ops import cpu_ops
 from engine.ops.write_guard import WriteGuard
 from engine.paging import block_of_slot, null_block_hits, offset_in_block
 
@@ -82,6 +84,21 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
         null_block_writes += null_block_hits(slot_mapping, block_size).sum()
 
 
+def _host_kernel(cache: torch.Tensor) -> bool:
+    """Whether a CPU cache's writes go through the csrc/ op (built, and not turned off)."""
+    return cache.device.type == "cpu" and cpu_ops.available()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()  # the op reads each row as one run
+
+
+def _scale(scale: torch.Tensor | float | None) -> torch.Tensor | None:
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    return torch.tensor([scale], dtype=torch.float32)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
              scale: torch.Tensor | None = None, guard: WriteGuard | None = None) -> None:
@@ -92,6 +109,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         if cuda_ops.available():
             cuda_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
             return
+    elif _host_kernel(k_cache):
+        # The kernels' per-token code run on the host (csrc/cache_kernels_host.cpp): one call
+        # where the reference runs ~15 small ops per layer, bit for bit the same writes.
+        torch.ops.kvsentry.reshape_and_cache_flash(_rows(key), _rows(value), k_cache, v_cache, slot_mapping,
+                                                   null_block_writes, _scale(scale))
+        return
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
 
@@ -105,4 +128,8 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         if cuda_ops.available():
             cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
             return
+    elif _host_kernel(kv_cache):
+        torch.ops.kvsentry.concat_and_cache_mla(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping,
+                                                null_block_writes, _scale(scale))
+        return
     write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)

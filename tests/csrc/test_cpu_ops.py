@@ -297,3 +297,35 @@ def test_torch_compile_traces_the_ops_with_dynamic_shapes(kvsentry_ops):
         for got, want in zip((k_cache, v_cache, mla_cache), eager):
             assert torch.equal(raw(got), raw(want))
         assert counter.item() == eager_counter.item() == out.item() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_engine_writes_cpu_caches_through_the_host_kernel(kvsentry_ops, monkeypatch, dtype):
+    """kv_writer.write_kv / write_mla on CPU caches run the csrc/ op when it is built, with the
+    reference's bytes and null-block count (the head-major layout, a strict guard's PAD slots)."""
+    from engine.ops import kv_writer
+    from engine.paging import PAD_SLOT_ID
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(7, 3, 64, generator=g).to(dtype), torch.randn(7, 3, 64, generator=g).to(dtype)
+    storage = torch.zeros(2, 3, 10, 16, 64, dtype=dtype)  # [K|V, Hkv, NB, bs, D]: the CPU layout
+    slots = torch.tensor([17, PAD_SLOT_ID, 40, 3, 159, PAD_SLOT_ID, 100])
+    calls = []
+    real = kvsentry_ops.reshape_and_cache_flash
+    monkeypatch.setattr(torch.ops.kvsentry, "reshape_and_cache_flash", lambda *a: (calls.append(1), real(*a))[1],
+                        raising=False)
+    results = []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
+        cache = storage.clone()
+        counter = torch.zeros(1, dtype=torch.int64)
+        kv_writer.write_kv(key, value, cache[0].permute(1, 2, 0, 3), cache[1].permute(1, 2, 0, 3), slots, counter)
+        latent = torch.zeros(10, 16, 96, dtype=dtype)
+        kv_writer.write_mla(key[:, 0], value[:, 0, :32], latent, slots, counter)
+        results.append((cache, latent, counter.item()))
+    assert calls == [1]  # the kernel once, then the reference with the ops turned off
+    (cache_k, latent_k, count_k), (cache_r, latent_r, count_r) = results
+    assert torch.equal(cache_k.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       cache_r.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(latent_k, latent_r) and count_k == count_r == 2  # slot 3, twice (K/V and MLA)
+    assert cache_k.count_nonzero() > 0

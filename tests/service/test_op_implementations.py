@@ -24,8 +24,8 @@ def test_a_disabled_kernel_is_reported_as_a_fallback(monkeypatch):
     monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
     ops = op_implementations("cpu")
     assert ops["paged_attention"] == TORCH_REFERENCE
-    # The checksum kernel is in the same library: disabled with it. kv_writer has no CPU kernel: by design.
-    assert falling_back(ops, "cpu") == ["paged_attention", "kv_checksum", "kv_nan_scan"]
+    # The writers, checksum and scan kernels are in the same library: disabled with it.
+    assert falling_back(ops, "cpu") == ["paged_attention", "kv_writer", "kv_checksum", "kv_nan_scan"]
     assert describe(ops) == ("paged_attention=torch_reference kv_writer=torch_reference "
                              "kv_checksum=torch_reference kv_nan_scan=torch_reference")
 
