@@ -1,8 +1,9 @@
 """Throughput cost of the NaN sentinel, off and in each mode, on the offline workload.
 
-README row (defaults: 32 x 128 prompt x 64 new tokens, bench-llama, 3 rounds):
+README rows (defaults: 32 x 128 prompt x 64 new tokens, 3 rounds):
 
-    .venv/bin/python benchmarks/sentinel_overhead.py --threads 1
+    .venv/bin/python benchmarks/sentinel_overhead.py --threads 1                    # bench-llama
+    .venv/bin/python benchmarks/sentinel_overhead.py --model default --dtype bfloat16  # the real model
 
 One engine; the modes are interleaved over several rounds in one run (median per mode).
 The sentinel only reads the cache, so every mode must give the greedy tokens of "off": the
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from common import bench_checkpoint, random_prompts, require_identical, workload_parser
+from common import bench_checkpoint, prompt_token_range, random_prompts, require_identical, workload_parser
 
 MODES = ["off", "null-block", "rolling", "full"]
 
@@ -25,15 +26,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: the checkpoint's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint(args.model)
     from engine import LLM, SamplingParams
-    prompts = random_prompts(args.requests, args.prompt_len)  # every run: prefix caching is off
+    low, vocab = prompt_token_range(path)
+    # Every run: prefix caching is off.
+    prompts = random_prompts(args.requests, args.prompt_len, vocab=vocab, low=low)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     # One engine, one cache allocation: only the sentinel's mode changes between runs, so
     # memory placement and allocator state cannot masquerade as sentinel cost.
-    llm = LLM(path, max_model_len=1024, kv_cache_memory=args.kv_cache_memory,
+    llm = LLM(path, max_model_len=1024, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
               nan_sentinel="rolling", enable_prefix_caching=False, num_threads=args.threads)
     sentinel = llm.engine.sentinel
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

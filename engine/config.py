@@ -209,7 +209,7 @@ class EngineConfig:
     # Token counts a step is padded up to (like CUDA-graph capture sizes).
     pad_buckets: tuple[int, ...] = ()
     nan_sentinel: str = "rolling"  # one of NAN_SENTINEL_MODES
-    nan_scan_blocks_per_step: int = 32
+    nan_scan_blocks_per_step: int = 4  # ~45 us per block of the default model on one core: <= 1% of a decode step
     nan_scan_written_blocks: bool = False  # rolling mode: also scan every block the step wrote
     nan_policy: str = "count"  # one of NAN_POLICIES
     kv_checksums: str = "rolling"  # one of KV_CHECKSUM_MODES
