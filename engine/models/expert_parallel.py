@@ -11,6 +11,12 @@ included -- that is why a busy DP group makes idle ranks run dummy batches.
 On NCCL (ranks on GPUs) the dispatch gathers into one device tensor and the combine is a
 reduce-scatter; on gloo (CPU) both keep the list all-gather and the all-reduce + slice. The
 token counts are read back once per step (in `step`), never per layer.
+
+A fixed-shape step (`step(..., fixed_shape=True)`: a decode CUDA graph, captured or replayed)
+exchanges no counts: the lockstep group agreed before the step that every rank runs the same
+graph size (engine/dp/rank.py), so every rank has the same number of rows and each collective
+has a shape known when it is captured -- nothing is read back to the host. On gloo the same
+fixed-shape collectives run eagerly.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ class ExpertParallel:
         self.world_size = world_size
         self.rank = rank
         self._step_counts: list[int] | None = None  # every rank's token count, fixed within a step
+        self.fixed_shape = False  # inside a fixed-shape (graph) step: no host read-back, equal counts
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ExpertParallel":
@@ -49,8 +56,16 @@ class ExpertParallel:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
     @contextmanager
-    def step(self, num_tokens: int) -> Iterator[None]:
-        """Exchange token counts once per forward step instead of once per MoE layer."""
+    def step(self, num_tokens: int, fixed_shape: bool = False) -> Iterator[None]:
+        """Exchange token counts once per forward step instead of once per MoE layer. A
+        fixed-shape step exchanges none: every rank runs `num_tokens` rows (see the module doc)."""
+        if fixed_shape:
+            self.fixed_shape = True
+            try:
+                yield
+            finally:
+                self.fixed_shape = False
+            return
         if self.world_size == 1:
             yield
             return
@@ -67,11 +82,14 @@ class ExpertParallel:
             return experts(hidden, topk_ids, topk_weights)
         self._check_group()
         num_tokens = hidden.shape[0]
-        counts = self._step_counts
-        if counts is None or counts[self.rank] != num_tokens:
-            counts = self._exchange_counts(num_tokens)
-        if max(counts) == 0:
-            return torch.zeros_like(hidden)
+        if self.fixed_shape:  # every rank replays the same size: counts known without asking
+            counts = [num_tokens] * self.world_size
+        else:
+            counts = self._step_counts
+            if counts is None or counts[self.rank] != num_tokens:
+                counts = self._exchange_counts(num_tokens)
+            if max(counts) == 0:
+                return torch.zeros_like(hidden)
         all_hidden, all_ids, all_weights = self._dispatch(hidden, topk_ids, topk_weights, counts)
         partial = experts(all_hidden, all_ids, all_weights)  # [sum(counts), hidden], local experts only
         return self._combine(partial, counts)

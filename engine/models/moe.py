@@ -211,16 +211,37 @@ class StackedExperts(nn.Module):
             picked = flat[start:start + count]
             start += count
             token_idx = picked // top_k
-            if self.packed is not None:
-                gate_up, down = self.packed[local]
-                gate, up = gate_up(hidden[token_idx]).chunk(2, dim=-1)
-                expert_out = down(F.silu(gate) * up)
-            else:
-                gate, up = F.linear(hidden[token_idx], self.gate_up_proj[local]).chunk(2, dim=-1)
-                expert_out = F.linear(F.silu(gate) * up, self.down_proj[local])
+            expert_out = self._expert(local, hidden[token_idx])
             expert_out = expert_out * weights[picked, None]
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         return out
+
+    def forward_fixed(self, hidden: torch.Tensor,  # [N, hidden]
+                      topk_ids: torch.Tensor,      # [N, top_k] global expert ids
+                      topk_weights: torch.Tensor,  # [N, top_k] float32
+                      ) -> torch.Tensor:           # [N, hidden], sum over this rank's experts only
+        """`forward` without reading anything back to the host, for fixed-shape (CUDA-graph)
+        steps: every local expert runs over all N rows, and a row keeps expert e's output, times
+        its routing weight, only where it routed to e (torch.where: rows that did not route there
+        take an exact 0, even if the expert's output on them is not finite). Rows stay
+        independent, so a padded row changes no other row. Accumulated in ascending expert order
+        from zeros like `forward`, so only the GEMMs' row count differs (rounding, ~1e-6).
+        Costs every local expert over every row: dense, fine for decode sizes, not for prefill."""
+        out = torch.zeros_like(hidden)
+        for local, expert in enumerate(self.owned):
+            routed = topk_ids == expert                                                  # [N, top_k]
+            weight = torch.where(routed, topk_weights, 0.0).sum(dim=1, keepdim=True)    # [N, 1], one term
+            expert_out = (self._expert(local, hidden) * weight).to(out.dtype)
+            out = out + torch.where(routed.any(dim=1, keepdim=True), expert_out, 0.0)
+        return out
+
+    def _expert(self, local: int, rows: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        if self.packed is not None:
+            gate_up, down = self.packed[local]
+            gate, up = gate_up(rows).chunk(2, dim=-1)
+            return down(F.silu(gate) * up)
+        gate, up = F.linear(rows, self.gate_up_proj[local]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[local])
 
 
 class SparseMoeBlock(nn.Module):
@@ -233,7 +254,9 @@ class SparseMoeBlock(nn.Module):
 
     def routed(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         topk_weights, topk_ids = self.gate(hidden)  # routed once, by the rank owning the tokens
-        return self.ep.run_experts(self.experts, hidden, topk_ids, topk_weights)
+        # A fixed-shape (CUDA-graph) step: no host read-back anywhere (StackedExperts.forward_fixed).
+        experts = self.experts.forward_fixed if self.ep.fixed_shape else self.experts
+        return self.ep.run_experts(experts, hidden, topk_ids, topk_weights)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.routed(hidden)
@@ -289,7 +312,7 @@ class MoECausalLM(CausalLM):
                     self._fused[fused] = (module, covered)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        with self.ep.step(input_ids.shape[0]):
+        with self.ep.step(input_ids.shape[0], fixed_shape=ctx.meta.fixed_shape):
             return self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
 
     def _model_name(self, name: str) -> str:
