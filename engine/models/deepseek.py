@@ -6,6 +6,9 @@ Prefill up-projects the latents (as transformers does); decode folds kv_b_proj
 into the query and output instead ("absorbed"), so it never expands the cache.
 Both read latents through the block tables and mask after reading, exactly as
 engine.ops.attention.paged_attention does, so a NaN in the null block propagates.
+A fixed-shape (CUDA-graph) decode step reads the whole table width through FlexAttention
+with the lengths on the device (engine/ops/flex_attention.py), the latent cache as one
+shared KV head: the same read-then-mask, no host-side length.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.ops import cpu_ops
+from engine.ops import cpu_ops, flex_attention
 from engine.ops.attention import AttentionMetadata, attend, gather_kv
 from engine.config import EngineConfig
 from engine.ops.kv_writer import write_mla
@@ -172,11 +175,18 @@ class MLAAttention(nn.Module):
         num_reqs = meta.num_decodes  # the leading one-token requests (rows [0, num_reqs))
         if num_reqs == 0:
             return out
-        num_read = -(-meta.max_decode_seq_len // cache.shape[1])
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]              # [H, nope|v, R]
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope[:num_reqs], w_uk)
         query = torch.cat([q_latent, q_pe[:num_reqs]], dim=-1)                     # [B, H, R + rope]
+        if meta.fixed_shape:
+            # Every row (padded ones: length 0, a null table row) reads the whole table width and
+            # masks past its length on the device, after the read; a fully masked row comes out 0.
+            out_latent = flex_attention.paged_decode_attention(
+                query, cache.unsqueeze(2), cache[..., :self.kv_lora_rank].unsqueeze(2), meta.block_tables,
+                meta.seq_lens, self.scale)                                         # [B, H, R]
+            return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
+        num_read = -(-meta.max_decode_seq_len // cache.shape[1])
         if cache.device.type == "cpu" and cache.dtype == query.dtype and cpu_ops.available():
             # The latent cache is one shared kv head (keys: the whole row, values: its first R
             # entries): MQA for the CPU kernel, every row reading the batch's longest, as below.
