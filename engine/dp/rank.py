@@ -3,10 +3,13 @@
 MoE models with DP > 1 step in lockstep, because every MoE layer runs
 collectives over the whole DP group: while any rank has work ("a wave"), every
 rank steps, and ranks without requests run a dummy batch padded to the same
-token count. Each step all ranks all-reduce (max) their token count and whether
-they have work; when nobody has work the wave ends on every rank at once and
-the ranks block on their input socket (no busy loop) until a request or a Wake
-for the next wave arrives.
+token count. Each step all ranks all-reduce (max) their token count, whether
+they have work, and whether they must run the step eagerly (not a pure decode
+or dummy batch, or no decode CUDA graphs): a step replays graphs on every rank
+or on none, since the experts' collectives differ between the two paths
+(engine/worker/cuda_graphs.py). When nobody has work the wave ends on every
+rank at once and the ranks block on their input socket (no busy loop) until a
+request or a Wake for the next wave arrives.
 """
 from __future__ import annotations
 
@@ -128,11 +131,15 @@ class RankLoop:
         if not self.in_wave:
             return
         sched = core.schedule()
+        graphs = core.runner.graphs
+        eager = graphs is None or not graphs.could_run_scheduled(sched.num_reqs, sched.num_tokens)
         # On the rank's device: NCCL reduces only device tensors (gloo on CPU: a CPU tensor).
-        flags = torch.tensor([sched.num_tokens, int(core.has_unfinished)], dtype=torch.int64,
+        flags = torch.tensor([sched.num_tokens, int(core.has_unfinished), int(eager)], dtype=torch.int64,
                              device=core.config.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        max_tokens, anyone_busy = flags.tolist()  # the step's one read-back
+        max_tokens, anyone_busy, anyone_eager = flags.tolist()  # the step's one read-back
+        if graphs is not None:
+            graphs.group_eager = bool(anyone_eager)
         if not anyone_busy and max_tokens == 0:
             self.in_wave = False
             self.wave += 1

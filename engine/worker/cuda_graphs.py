@@ -15,9 +15,17 @@ block is checked bitwise zero on every layer (one host sync), and a capture that
 stops start-up naming the layers. With `cuda_graph_check_null_block` the runner repeats the
 check after every dummy batch.
 
+MoE and MLA models capture too: on a fixed-shape step their routed experts run every local
+expert densely over the rows (StackedExperts.forward_fixed, no expert counts read back), MLA
+decode is FlexAttention over the latent cache, and with expert parallelism (DP > 1) the
+dispatch and combine collectives have the graph size's shape on every rank. That needs every
+rank of the lockstep group to take the same path in the same step: the rank loop all-reduces
+whether any rank must run eagerly (`could_run_scheduled`) with the step's token count and
+sets `group_eager` before the step (engine/dp/rank.py).
+
 The class works on any device: where no graph is captured (a CPU) `run` calls the same
 fixed-shape forward over the same buffers eagerly, which is how tests/engine/test_cuda_graphs.py
-checks the padding and the tokens on CPU.
+and tests/engine/test_cuda_graphs_moe.py check the padding and the tokens on CPU.
 """
 from __future__ import annotations
 
@@ -62,10 +70,6 @@ def eager_reason(config: EngineConfig) -> str | None:
         return "not a CUDA device"
     if config.enforce_eager:
         return "--enforce-eager"
-    if config.model.is_mla:
-        return "MLA decode attention reads host-side lengths"
-    if config.model.is_moe:
-        return "MoE routing reads expert counts back to the host"
     if not flex_attention.available():
         return "torch has no FlexAttention"
     if not cuda_ops.available():
@@ -129,10 +133,23 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden], what its graph writes
         self.replays = 0
+        # In a lockstep DP group (MoE with EP): whether some rank runs this step eagerly, agreed
+        # by all ranks before the step (engine/dp/rank.py); None outside one. Ranks must agree,
+        # since a fixed-shape step's expert collectives differ from an eager step's.
+        self.group_eager: bool | None = None
+
+    def could_run_scheduled(self, num_reqs: int, num_tokens: int) -> bool:
+        """Before the batch is built: whether this rank's step could run through the buffers
+        (pure decode or a dummy batch, no hook set); the size check is left to the caller, whose
+        padded token count every rank of the group shares."""
+        return num_tokens == num_reqs and not self._hooked()
 
     def can_run(self, batch: StepBatch) -> bool:
-        return (is_pure_decode(batch) and graph_size(self.sizes, batch.meta.num_padded_tokens) is not None
-                and not self._hooked())
+        if not is_pure_decode(batch) or graph_size(self.sizes, batch.meta.num_padded_tokens) is None:
+            return False
+        if self.group_eager is not None:  # what the group agreed, even if a hook was set since
+            return not self.group_eager
+        return not self._hooked()
 
     def _hooked(self) -> bool:
         """A forward hook (the fault injector's NaN activations) would not run inside a replayed
@@ -151,7 +168,8 @@ class DecodeGraphs:
         size = graph_size(self.sizes, batch.meta.num_padded_tokens)
         self.buffers.fill(batch)
         graph = self.graphs.get(size)
-        if graph is None:
+        if graph is None or (self.group_eager is not None and self._hooked()):
+            # (a hook set after the group agreed on the fixed-shape path: run it, do not replay)
             hidden = self.forward(size)
         else:
             graph.replay()
