@@ -28,6 +28,9 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -86,6 +89,41 @@ inline typename Io<T>::raw* raw_mut(const Tensor& t) {
   return reinterpret_cast<typename Io<T>::raw*>(t.data_ptr<T>());
 }
 
+#if defined(__AVX512F__)
+// Sixteen elements at a time, with the scalar Io's exact semantics: bf16 widens by a shift,
+// narrows by round-to-nearest-even on the bits with every NaN stored as 0x7FC0. The loops
+// above did not vectorise (the NaN select), and these ops are elementwise over every
+// activation of a prefill chunk.
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  static __m512 round(__m512 v) { return v; }
+};
+template <>
+struct Vec<c10::BFloat16> {
+  static __m512 load(const uint16_t* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static __m512i bits(__m512 v) {  // the bf16 bits of v in each 32-bit lane's low half
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  }
+  static void store(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits(v)));
+  }
+  static __m512 round(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits(v), 16)); }
+};
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 0;  // no vector path: the scalar loops do everything
+#endif
+
 bool fused_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
 
 void check_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight) {
@@ -112,7 +150,21 @@ void rms_norm_impl(const Tensor& x, const std::optional<Tensor>& residual, const
   float* sq = squares.data_ptr<float>();
   const auto* addp = residual.has_value() ? raw_ptr<T>(*residual) : nullptr;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    const int64_t lo = begin * n, hi = end * n;
+    int64_t lo = begin * n;
+    const int64_t hi = end * n;
+#if defined(__AVX512F__)
+    using V = Vec<T>;
+    for (; lo + kLanes <= hi; lo += kLanes) {
+      __m512 h;
+      if (addp != nullptr) {
+        h = V::round(_mm512_add_ps(V::load(addp + lo), V::load(xp + lo)));
+        V::store(rp + lo, h);
+      } else {
+        h = V::load(xp + lo);
+      }
+      _mm512_storeu_ps(sq + lo, _mm512_mul_ps(h, h));
+    }
+#endif
     if (addp != nullptr) {
       for (int64_t i = lo; i < hi; ++i) {  // residual + x in T, then its square in float
         const auto sum = IO::store(IO::load(addp[i]) + IO::load(xp[i]));
@@ -140,7 +192,15 @@ void rms_norm_impl(const Tensor& x, const std::optional<Tensor>& residual, const
       const float r = 1.0f / std::sqrt(vp[row] / count + eps);  // torch.rsqrt(mean + eps)
       const auto* h = hp + row * n;
       auto* o = op + row * n;
-      for (int64_t j = 0; j < n; ++j) {  // weight * (x * r).to(dtype)
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      using V = Vec<T>;
+      const __m512 rv = _mm512_set1_ps(r);
+      for (; j + kLanes <= n; j += kLanes) {
+        V::store(o + j, _mm512_mul_ps(V::load(wp + j), V::round(_mm512_mul_ps(V::load(h + j), rv))));
+      }
+#endif
+      for (; j < n; ++j) {  // weight * (x * r).to(dtype)
         o[j] = IO::store(IO::load(wp[j]) * round_to<T>(IO::load(h[j]) * r));
       }
     }
@@ -201,7 +261,20 @@ void check_rotary(const Tensor& q, const Tensor& k, const Tensor& cos, const Ten
 template <typename T>
 void rotate(const typename Io<T>::raw* x, typename Io<T>::raw* o, const float* c, const float* s, int64_t half) {
   using IO = Io<T>;
-  for (int64_t j = 0; j < half; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  using V = Vec<T>;
+  for (; j + kLanes <= half; j += kLanes) {
+    const __m512 a = V::load(x + j), b = V::load(x + j + half);
+    const __m512 nb = _mm512_castsi512_ps(  // -b: the sign bit flipped, as the scalar negation
+        _mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+    V::store(o + j, _mm512_add_ps(V::round(_mm512_mul_ps(a, _mm512_loadu_ps(c + j))),
+                                  V::round(_mm512_mul_ps(nb, _mm512_loadu_ps(s + j)))));
+    V::store(o + j + half, _mm512_add_ps(V::round(_mm512_mul_ps(b, _mm512_loadu_ps(c + j + half))),
+                                         V::round(_mm512_mul_ps(a, _mm512_loadu_ps(s + j + half)))));
+  }
+#endif
+  for (; j < half; ++j) {
     const float a = IO::load(x[j]), b = IO::load(x[j + half]);
     o[j] = IO::store(round_to<T>(a * c[j]) + round_to<T>(-b * s[j]));
     o[j + half] = IO::store(round_to<T>(b * c[j + half]) + round_to<T>(a * s[j + half]));
@@ -293,10 +366,10 @@ void silu_and_mul_impl(const Tensor& silu, const Tensor& gate_up, const Tensor& 
 Tensor silu_and_mul_cpu(const Tensor& gate_up) {
   check_silu(gate_up);
   const int64_t n = gate_up.size(1) / 2;
+  Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
   // F.silu(gate) on the same strided view as the reference: torch's own kernel, the same bits.
   const Tensor silu = at::silu(gate_up.narrow(1, 0, n));
   TORCH_CHECK(silu.stride(1) == 1 || n == 0, "kvsentry::silu_and_mul: unexpected silu layout");
-  Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_impl<float>(silu, gate_up, out);
   } else {

@@ -1,6 +1,6 @@
-"""csrc/cpu_fused_ops.cpp (RMSNorm, residual add + RMSNorm, rotary embedding) against the torch
-references of engine/ops/fused_ops.py, bit for bit, in float32 and bfloat16; and the dispatch
-that picks them."""
+"""csrc/cpu_fused_ops.cpp (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-multiply)
+against the torch references of engine/ops/fused_ops.py, bit for bit in float32 and bfloat16;
+and the dispatch that picks them."""
 from __future__ import annotations
 
 import pytest
@@ -50,9 +50,11 @@ def rope_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype,table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                (torch.bfloat16, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("tokens", [1, 5, 32])
-def test_rotary_matches_reference_bitwise_on_strided_views(kvsentry_ops, dtype, table_dtype, tokens):
-    """The model's tables are in its dtype (model.to(dtype) converts buffers); float32 ones also work."""
-    heads, kv_heads, dim = 9, 3, 64
+@pytest.mark.parametrize("dim", [64, 40])
+def test_rotary_matches_reference_bitwise_on_strided_views(kvsentry_ops, dtype, table_dtype, tokens, dim):
+    """The model's tables are in its dtype (model.to(dtype) converts buffers); float32 ones also work.
+    dim 40: a 16-lane vector and a scalar tail per half."""
+    heads, kv_heads = 9, 3
     cos, sin = (t.to(table_dtype) for t in rope_tables(1024, dim))
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=tokens, scale=3.0)
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -64,15 +66,53 @@ def test_rotary_matches_reference_bitwise_on_strided_views(kvsentry_ops, dtype, 
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+def assert_silu_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit (torch's own silu), NaNs compared by position: torch's vectorised bf16
+    conversion stores a NaN as 0xFFFF, the kernel's narrowing as 0x7FC0."""
+    assert torch.equal(got.isnan(), want.isnan())
+    got, want = got.nan_to_num(7.0, 7.0, -7.0), want.nan_to_num(7.0, 7.0, -7.0)
+    int_view = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(int_view), want.view(int_view))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,inter", [(1, 1536), (32, 1536), (3, 20), (0, 8)])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (32, 1536), (3, 20), (0, 8), (300, 1536)])
 def test_silu_and_mul_matches_reference_bitwise(kvsentry_ops, dtype, rows, inter):
     gate_up = randn(rows, 2 * inter, dtype=dtype, seed=rows, scale=4.0)
     got = kvsentry_ops.silu_and_mul(gate_up)
     assert got.shape == (rows, inter) and got.is_contiguous()
-    assert torch.equal(got, silu_and_mul_reference(gate_up))
+    assert_silu_matches(got, silu_and_mul_reference(gate_up))
     wide = randn(rows, 2 * inter + 6, dtype=dtype, seed=9)[:, 3:3 + 2 * inter]  # a strided view
-    assert torch.equal(kvsentry_ops.silu_and_mul(wide), silu_and_mul_reference(wide))
+    assert_silu_matches(kvsentry_ops.silu_and_mul(wide), silu_and_mul_reference(wide))
+
+
+SPECIAL = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 3.0e38, -3.0e38, 1e-40, -100.0, 100.0, 88.5, -88.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values(kvsentry_ops, dtype):
+    """NaN, infinities, signed zeros, the float range's ends and denormals, in the vector lanes
+    and the scalar tails: bit for bit (a NaN's bits aside)."""
+    values = torch.tensor(SPECIAL * 8)[torch.randperm(len(SPECIAL) * 8, generator=torch.Generator().manual_seed(1))]
+    x = randn(4, 40, dtype=torch.float32, seed=4)
+    x.view(-1)[::2] = values[:80]
+    x = x.to(dtype)
+    weight = randn(40, dtype=dtype, seed=5)
+    assert torch.equal(kvsentry_ops.rms_norm(x, weight, 1e-6).view(-1).float().nan_to_num(7.0),
+                       rms_norm_reference(x, weight, 1e-6).view(-1).float().nan_to_num(7.0))
+    out, hidden = kvsentry_ops.add_rms_norm(x, x.flip(0), weight, 1e-6)
+    assert torch.equal(hidden.float().nan_to_num(7.0), (x.flip(0) + x).float().nan_to_num(7.0))
+    assert torch.equal(out.float().nan_to_num(7.0), rms_norm_reference(x.flip(0) + x, weight, 1e-6).float().nan_to_num(7.0))
+    gate_up = x.reshape(2, 80)
+    assert_silu_matches(kvsentry_ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+    cos, sin = rope_tables(64, 40)
+    q, k = x.reshape(4, 1, 40), x.flip(0).reshape(4, 1, 40)
+    positions = torch.tensor([0, 5, 63, 17])
+    for got, want in zip(kvsentry_ops.rotary(q, k, cos.to(dtype), sin.to(dtype), positions),
+                         rotary_reference(q, k, cos.to(dtype), sin.to(dtype), positions)):
+        int_view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        same = (got.view(int_view) == want.view(int_view)) | (got.isnan() & want.isnan())
+        assert same.all()
 
 
 def test_rotary_rejects_out_of_range_positions(kvsentry_ops):
