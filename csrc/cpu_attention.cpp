@@ -28,7 +28,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/aminmax.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -562,29 +561,33 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
                                 const std::optional<Tensor>& read_blocks, int64_t num_read_blocks, double scale) {
   check(out, query, key_cache, value_cache, block_tables, seq_lens, read_blocks, num_read_blocks);
   if (query.size(0) == 0) return;
+  // Plain loops over the few ints read, not at::aminmax: that cloned the strided table slice
+  // and synced through .item() four times per layer call.
+  const int64_t batch = query.size(0), block_size = key_cache.size(1), num_blocks = key_cache.size(0);
   const int32_t* reads = nullptr;
   if (read_blocks.has_value()) {
-    const Tensor rows = read_blocks->narrow(0, 0, query.size(0));
-    const auto [low, high] = at::aminmax(rows);
-    TORCH_CHECK(low.item<int32_t>() >= 0 && high.item<int32_t>() <= num_read_blocks, kOp,
-                ": read_blocks must lie in [0, num_read_blocks = ", num_read_blocks, "], got [", low.item<int32_t>(),
-                ", ", high.item<int32_t>(), "]");
-    reads = rows.data_ptr<int32_t>();
+    reads = read_blocks->data_ptr<int32_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(reads[b] >= 0 && reads[b] <= num_read_blocks, kOp, ": read_blocks must lie in [0, num_read_blocks = ",
+                  num_read_blocks, "], got ", reads[b], " at row ", b);
+    }
   }
   // A row whose length runs past what it reads would silently drop its newest tokens.
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < query.size(0); ++b) {
-    const int64_t span = (reads != nullptr ? reads[b] : num_read_blocks) * key_cache.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t span = (reads != nullptr ? reads[b] : num_read_blocks) * block_size;
     TORCH_CHECK(lens[b] <= span, kOp, ": seq_lens[", b, "] = ", lens[b], " exceeds the ", span,
                 " positions its row reads (read_blocks or num_read_blocks times block_size)");
   }
   // A table entry outside the pool would read out of bounds: check the ones read.
-  const Tensor read = block_tables.narrow(0, 0, query.size(0)).narrow(1, 0, num_read_blocks);
-  if (read.numel() > 0) {
-    const auto [low, high] = at::aminmax(read);
-    TORCH_CHECK(low.item<int32_t>() >= 0 && high.item<int32_t>() < key_cache.size(0), kOp,
-                ": block table entries must lie in [0, ", key_cache.size(0), "), got [", low.item<int32_t>(), ", ",
-                high.item<int32_t>(), "]");
+  const int32_t* table = block_tables.data_ptr<int32_t>();
+  const int64_t ts0 = block_tables.stride(0), ts1 = block_tables.stride(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < num_read_blocks; ++j) {
+      const int32_t entry = table[b * ts0 + j * ts1];
+      TORCH_CHECK(entry >= 0 && entry < num_blocks, kOp, ": block table entries must lie in [0, ", num_blocks,
+                  "), got ", entry, " at [", b, ", ", j, "]");
+    }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if (query.size(2) % 16 == 0 && query.size(2) <= kMaxWideDim && value_cache.size(3) % 16 == 0) {
