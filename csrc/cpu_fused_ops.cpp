@@ -343,22 +343,24 @@ void check_silu(const Tensor& gate_up) {
               "kvsentry::silu_and_mul: gate_up must be float32 or bfloat16 [T, 2 I] with a contiguous last dim");
 }
 
+// out = silu(gate) already (torch's kernel wrote it there); out *= up, rounded to T.
 template <typename T>
-void silu_and_mul_impl(const Tensor& silu, const Tensor& gate_up, const Tensor& out) {
+void mul_up_impl(const Tensor& gate_up, const Tensor& out) {
   using IO = Io<T>;
   const int64_t rows = out.size(0), n = out.size(1);
-  const auto* sp = raw_ptr<T>(silu);
   const auto* up = raw_ptr<T>(gate_up) + n;
   auto* op = raw_mut<T>(out);
-  const int64_t s_stride = silu.stride(0), u_stride = gate_up.stride(0);
+  const int64_t u_stride = gate_up.stride(0);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const auto* a = sp + row * s_stride;
       const auto* b = up + row * u_stride;
       auto* o = op + row * n;
-      for (int64_t j = 0; j < n; ++j) {
-        o[j] = IO::store(IO::load(a[j]) * IO::load(b[j]));
-      }
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      using V = Vec<T>;
+      for (; j + kLanes <= n; j += kLanes) V::store(o + j, _mm512_mul_ps(V::load(o + j), V::load(b + j)));
+#endif
+      for (; j < n; ++j) o[j] = IO::store(IO::load(o[j]) * IO::load(b[j]));
     }
   });
 }
@@ -367,13 +369,13 @@ Tensor silu_and_mul_cpu(const Tensor& gate_up) {
   check_silu(gate_up);
   const int64_t n = gate_up.size(1) / 2;
   Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
-  // F.silu(gate) on the same strided view as the reference: torch's own kernel, the same bits.
-  const Tensor silu = at::silu(gate_up.narrow(1, 0, n));
-  TORCH_CHECK(silu.stride(1) == 1 || n == 0, "kvsentry::silu_and_mul: unexpected silu layout");
+  // F.silu(gate) on the same strided view as the reference, written straight into out: torch's
+  // own kernel, the same bits; then the product in place (no second [T, I] tensor).
+  at::silu_out(out, gate_up.narrow(1, 0, n));
   if (gate_up.scalar_type() == at::kFloat) {
-    silu_and_mul_impl<float>(silu, gate_up, out);
+    mul_up_impl<float>(gate_up, out);
   } else {
-    silu_and_mul_impl<c10::BFloat16>(silu, gate_up, out);
+    mul_up_impl<c10::BFloat16>(gate_up, out);
   }
   return out;
 }
