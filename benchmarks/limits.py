@@ -1,0 +1,109 @@
+"""How far the engine's decode step is from this machine's limits, on the real default model.
+
+    .venv/bin/python benchmarks/limits.py --dtype bfloat16
+
+Measures, on one thread:
+  - memory bandwidth: a float32 sum over 1 GiB (read only, one pass, best of 5), the bound of a
+    weight-streaming step;
+  - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) prepacked for oneDNN as the
+    engine runs them, at 256 and 1024 rows, in GFLOP/s;
+  - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
+    weights read per second at batch 1 and as forward GFLOP/s at batch 64.
+and prints each achieved figure beside its limit.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import bench_checkpoint, prompt_token_range, random_prompts
+
+
+def best(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def memory_bandwidth() -> float:  # bytes/s
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB: far past the last-level cache
+    return x.numel() * 4 / best(lambda: x.sum())
+
+
+def gemm_peak(model, rows: int, dtype: torch.dtype) -> float:  # FLOP/s over the model's layer shapes
+    from engine.models.cpu_gemm import PackedLinear
+    layer = model.model.layers[0]
+    weights = [layer.self_attn.qkv, layer.self_attn.o_proj.packed, layer.mlp.gate_up, layer.mlp.down_proj.packed]
+    shapes = [(w.out_features, w.in_features) for w in weights]
+    linears = [PackedLinear(torch.randn(*s).to(dtype) * 0.05) for s in shapes]
+    inputs = [torch.randn(rows, s[1]).to(dtype) for s in shapes]
+    flop = sum(2 * rows * o * i for o, i in shapes)
+    return flop / best(lambda: [lin(x) for lin, x in zip(linears, inputs)])
+
+
+def decode_seconds(llm, batch: int, vocab: int, low: int, seed: int) -> float:
+    from engine import SamplingParams
+    from engine.messages import EngineRequest
+    core = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, 128, vocab=vocab, seed=seed, low=low)):
+        core.add_request(EngineRequest(f"limits-{seed}-{i}", prompt, params))
+    for _ in range(4):  # the prefill and the first decodes
+        core.step()
+    steps = []
+    for _ in range(20):
+        start = time.perf_counter()
+        core.step()
+        steps.append(time.perf_counter() - start)
+    while core.has_unfinished:
+        core.step()
+    return sorted(steps)[len(steps) // 4]  # a low quartile: the machine is shared
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from engine import LLM
+    path = bench_checkpoint(args.model)
+    low, vocab = prompt_token_range(path)
+    llm = LLM(path, max_model_len=1024, dtype=args.dtype, enable_prefix_caching=False, num_threads=1)
+    model = llm.engine.runner.model
+    dtype = getattr(torch, args.dtype)
+    # The matrices a decode step reads: every layer's four GEMMs and the LM head (the embedding
+    # is a lookup of a few rows; norms are vectors). 2 FLOP per weight per token.
+    matrices = [w.out_features * w.in_features for layer in model.model.layers
+                for w in (layer.self_attn.qkv, layer.self_attn.o_proj.packed, layer.mlp.gate_up,
+                          layer.mlp.down_proj.packed)]
+    params = sum(matrices) + model.lm_head.weight.numel()
+    weight_bytes = params * dtype.itemsize
+    flop_per_token = 2 * params
+
+    bandwidth = memory_bandwidth()
+    peaks = {rows: gemm_peak(model, rows, dtype) for rows in (256, 1024)}
+    step1 = decode_seconds(llm, 1, vocab, low, seed=1)
+    step64 = decode_seconds(llm, 64, vocab, low, seed=2)
+
+    print(f"model: {params / 1e6:.1f} M weights in its GEMMs, {weight_bytes / 1e6:.0f} MB of {args.dtype}, "
+          f"{flop_per_token / 1e9:.3f} GFLOP per token")
+    print(f"memory bandwidth (1 GiB float32 sum, 1 thread): {bandwidth / 1e9:.1f} GB/s")
+    for rows, peak in peaks.items():
+        print(f"GEMM peak, the model's layer shapes at {rows} rows: {peak / 1e9:.0f} GFLOP/s")
+    print(f"batch 1 decode: {step1 * 1e3:.1f} ms/step -> {weight_bytes / step1 / 1e9:.1f} GB/s of weights "
+          f"= {weight_bytes / step1 / bandwidth:.0%} of the measured bandwidth "
+          f"(floor {weight_bytes / bandwidth * 1e3:.1f} ms/step, {bandwidth / weight_bytes:.0f} tok/s)")
+    best_peak = max(peaks.values())
+    print(f"batch 64 decode: {step64 * 1e3:.1f} ms/step -> {64 * flop_per_token / step64 / 1e9:.0f} GFLOP/s "
+          f"= {64 * flop_per_token / step64 / best_peak:.0%} of the GEMM peak ({64 / step64:.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
