@@ -21,7 +21,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A prompt that ends inside a multi-byte character keeps its dangling bytes: the
+        # completion's text is what its own tokens decode to (tokenizer.decode(output_ids), and
+        # vLLM's text), so a leading continuation byte shows as U+FFFD instead of borrowing
+        # the prompt's bytes to finish the character.
+        while context and tokenizer.decode(context, skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self.token_ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
 

@@ -104,6 +104,18 @@ def test_cjk_split_across_bpe_and_byte_tokens(tok, byte_ids):
     assert "".join(chunks) == "你好"
 
 
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_a_character_split_between_prompt_and_output_stays_split(tok, byte_ids, split):
+    """The prompt ends with the first `split` bytes of 🙂 and the completion starts with the rest:
+    the completion's text is tokenizer.decode(output_ids) (U+FFFD for its dangling bytes), as
+    vLLM reports it -- not the prompt's bytes borrowed to finish the character."""
+    raw = "🙂".encode()
+    prompt = tok.encode("hi ") + [byte_ids[b] for b in raw[:split]]
+    out = [byte_ids[b] for b in raw[split:]] + tok.encode(" ok 你", add_special_tokens=False)
+    text = "".join(stream(IncrementalDetokenizer(tok, prompt), out))
+    assert text == tok.decode(out) and text.startswith(REPLACEMENT) and text.endswith(" ok 你")
+
+
 def test_long_prompt_context_does_not_leak_into_output(tok):
     prompt = tok.encode("the cache keeps sixteen tokens per block " * 3)
     out = tok.encode(" and more", add_special_tokens=False)
