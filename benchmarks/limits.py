@@ -83,7 +83,9 @@ def main() -> None:
     matrices = [w.out_features * w.in_features for layer in model.model.layers
                 for w in (layer.self_attn.qkv, layer.self_attn.o_proj.packed, layer.mlp.gate_up,
                           layer.mlp.down_proj.packed)]
-    params = sum(matrices) + model.lm_head.weight.numel()
+    head = model.lm_head.packed
+    params = sum(matrices) + (head.out_features * head.in_features if head is not None
+                              else model.lm_head.weight.numel())
     weight_bytes = params * dtype.itemsize
     flop_per_token = 2 * params
 
