@@ -34,7 +34,9 @@ BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection", "--log-prompts",
                  "--enable-prefix-caching", "--no-enable-prefix-caching",
                  "--dummy-batch-random-inputs", "--no-dummy-batch-random-inputs",
                  "--nan-scan-written-blocks", "--no-nan-scan-written-blocks",
-                 "--strict-kv-writes", "--no-strict-kv-writes"}
+                 "--strict-kv-writes", "--no-strict-kv-writes",
+                 "--enforce-eager", "--no-enforce-eager",
+                 "--cuda-graph-check-null-block", "--no-cuda-graph-check-null-block"}
 
 # The metric families kvsentry exports (Prometheus names, before _bucket/_sum/_count).
 KNOWN_METRICS = {
