@@ -151,7 +151,11 @@ def cache_bytes(core: EngineCore) -> torch.Tensor:
     return core.runner.kv_storage.view(torch.uint8).clone()
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+# The MoE and MLA presets run their fixed-shape path (dense experts, MLA through FlexAttention).
+MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", *MOE_PRESETS])
 def test_greedy_tokens_through_the_padded_buffers_equal_eager(checkpoint, preset):
     """Requests finishing at different steps: decode batches of 5, 4, 2, 1 rows padded to 8, 4, 2, 1,
     each after a larger one."""
@@ -163,15 +167,16 @@ def test_greedy_tokens_through_the_padded_buffers_equal_eager(checkpoint, preset
     assert core.runner.graphs.replays >= 9  # every decode step went through the buffers
     for key in eager:
         assert padded[key][0] == eager[key][0], key
-        assert max(abs(a - b) for a, b in zip(padded[key][1], eager[key][1])) < 1e-4
+        assert max(abs(a - b) for a, b in zip(padded[key][1], eager[key][1])) < 1e-4, key
     assert int(core.runner.null_block_writes.item()) == 0
     assert core.runner.graphs.null_block_dirty_layers() == []
 
 
-def test_dummy_batches_through_the_buffers_leave_the_cache_unchanged(checkpoint):
-    core = make_core(checkpoint("tiny-llama"), graphs=True, cuda_graph_check_null_block=True,
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mixtral", "tiny-deepseek-v3"])
+def test_dummy_batches_through_the_buffers_leave_the_cache_unchanged(checkpoint, preset):
+    core = make_core(checkpoint(preset), graphs=True, cuda_graph_check_null_block=True,
                      dummy_batch_random_inputs=True)
-    generate(core, [4, 2, 3, 1, 2])  # real K/V in the cache, and stale rows in the buffers
+    generate(core, [4, 2, 3, 1, 2])  # real K/V (or MLA latents) in the cache, stale rows in the buffers
     before = cache_bytes(core)
     replays = core.runner.graphs.replays
     for num_padded in (1, 3, 8, 5, 2):

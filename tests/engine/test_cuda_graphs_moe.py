@@ -30,12 +30,9 @@ from engine.worker.cuda_graphs import eager_reason
 from engine.worker.kv_cache import block_axis
 from engine.worker.loader import load_model
 from tests.engine.dp_helpers import Collected, drain, free_port_block, make_prompts, request
-from tests.engine.test_cuda_graphs import cache_bytes, generate, make_core
+from tests.engine.test_cuda_graphs import MOE_PRESETS, generate, make_core
 
 pytestmark = pytest.mark.skipif(not flex_attention.available(), reason="torch has no FlexAttention")
-
-MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
-
 
 def test_moe_and_mla_models_capture_at_dp1_and_with_expert_parallelism(checkpoint, monkeypatch):
     monkeypatch.setattr(cuda_ops, "available", lambda: True)  # as on a GPU machine with the ops built
@@ -82,38 +79,7 @@ def test_fixed_shape_moe_blocks_read_nothing_back_and_equal_the_eager_blocks(che
             blocks[0](hidden)
 
 
-# -- DP = 1: tokens, dummy batches, padded rows -----------------------------------------------------
-
-@pytest.mark.parametrize("preset", MOE_PRESETS)
-def test_greedy_tokens_through_the_fixed_shape_moe_path_equal_eager(checkpoint, preset):
-    """Requests finishing at different steps: decode batches of 5, 4, 2, 1 rows padded to 8, 4, 2, 1."""
-    path = checkpoint(preset)
-    limits = [10, 3, 7, 5, 9]
-    eager = generate(make_core(path, graphs=False), limits)
-    core = make_core(path, graphs=True)
-    fixed = generate(core, limits)
-    assert core.runner.graphs.replays >= 9  # every decode step went through the buffers
-    for key in eager:
-        assert fixed[key][0] == eager[key][0], key
-        assert max(abs(a - b) for a, b in zip(fixed[key][1], eager[key][1])) < 1e-4, key
-    assert int(core.runner.null_block_writes.item()) == 0
-    assert core.runner.graphs.null_block_dirty_layers() == []
-
-
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-deepseek-v3"])
-def test_dummy_batches_through_the_fixed_shape_moe_path_leave_the_cache_unchanged(checkpoint, preset):
-    core = make_core(checkpoint(preset), graphs=True, cuda_graph_check_null_block=True,
-                     dummy_batch_random_inputs=True)
-    generate(core, [4, 2, 3, 1, 2])  # real K/V (latents) in the cache, and stale rows in the buffers
-    before = cache_bytes(core)
-    replays = core.runner.graphs.replays
-    for num_padded in (1, 3, 8, 5, 2):
-        core.run_dummy(num_padded)
-    assert core.runner.graphs.replays == replays + 5
-    assert torch.equal(cache_bytes(core), before)
-    assert int(core.runner.null_block_writes.item()) == 0
-    assert core.runner.graphs.buffers.slot_mapping.eq(PAD_SLOT_ID).all()
-
+# -- DP = 1: padded rows (tokens and dummy batches: tests/engine/test_cuda_graphs.py, MOE_PRESETS) ---
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3"])
 def test_padded_rows_write_nothing_and_change_no_real_row(checkpoint, preset):

@@ -44,22 +44,29 @@ def greedy(core: EngineCore, limits: list[int]) -> list[list[int]]:
     return list(tokens.values())
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+# MoE (Mixtral) and MLA + MoE (DeepSeek-V3) capture their fixed-shape paths.
+MOE_PRESETS = ["tiny-mixtral", "tiny-deepseek-v3"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", *MOE_PRESETS])
 def test_graphs_eager_and_cpu_give_identical_greedy_tokens(cuda_kernels, checkpoint, strict_fp32, preset):
     path = checkpoint(preset)
     limits = [16, 5, 12, 9, 16]  # requests finish at different steps: batches shrink under the graphs
     graphs = make_core(path, "cuda")
     assert graphs.runner.graphs is not None and graphs.runner.graphs.graphs, "no decode graph was captured"
+    assert graphs.runner.graphs.null_block_dirty_layers() == []  # after capture (start-up checked it too)
     graph_tokens = greedy(graphs, limits)
     assert graphs.runner.graphs.replays >= 10
     eager = make_core(path, "cuda", enforce_eager=True)
     assert eager.runner.graphs is None
     assert graph_tokens == greedy(eager, limits) == greedy(make_core(path, "cpu"), limits)
     assert int(graphs.runner.null_block_writes.item()) == 0
+    assert graphs.runner.graphs.null_block_dirty_layers() == []
 
 
-def test_null_block_zero_after_capture_and_1000_dummy_replays(cuda_kernels, checkpoint):
-    core = make_core(checkpoint("tiny-llama"), "cuda", cuda_graph_check_null_block=True,
+@pytest.mark.parametrize("preset, num_replays", [("tiny-llama", 1000), ("tiny-deepseek-v3", 200)])
+def test_null_block_zero_after_capture_and_dummy_replays(cuda_kernels, checkpoint, preset, num_replays):
+    core = make_core(checkpoint(preset), "cuda", cuda_graph_check_null_block=True,
                      dummy_batch_random_inputs=True)
     graphs = core.runner.graphs
     assert graphs.null_block_dirty_layers() == []  # after capture (start-up checked it too)
@@ -67,10 +74,10 @@ def test_null_block_zero_after_capture_and_1000_dummy_replays(cuda_kernels, chec
     before = core.runner.kv_storage.clone()
     replays = graphs.replays
     sizes = (1, 3, 8, 13, 32, 5, 24, 2)
-    for i in range(1000):
+    for i in range(num_replays):
         core.run_dummy(sizes[i % len(sizes)])  # raises NullBlockDirtied at the first dirty replay
     torch.cuda.synchronize()
-    assert graphs.replays - replays == 1000
+    assert graphs.replays - replays == num_replays
     assert graphs.null_block_dirty_layers() == []
     assert torch.equal(before.view(torch.uint8), core.runner.kv_storage.view(torch.uint8))
     assert int(core.runner.null_block_writes.item()) == 0
