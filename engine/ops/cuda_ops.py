@@ -133,12 +133,12 @@ def _cuda_only(name: str, *tensors: torch.Tensor | None) -> None:
                              "(CPU caches go through engine.ops.kv_writer's torch reference)")
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def contiguous_rows(x: torch.Tensor) -> torch.Tensor:
     # The kernels read each row as one contiguous run; any other stride is fine.
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _scale(scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
+def scale_tensor(scale: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor | None:
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
     return torch.tensor([scale], dtype=torch.float32, device=like.device)
@@ -154,8 +154,8 @@ def reshape_and_cache_flash(key: torch.Tensor,           # [num_tokens, num_kv_h
                             ) -> None:
     _cuda_only("reshape_and_cache_flash", key, value, k_cache, v_cache, slot_mapping, null_block_writes)
     # Shapes, dtypes, devices and strides are checked by the op (torch_bindings.cpp), also under torch.compile.
-    torch.ops.kvsentry.reshape_and_cache_flash(_rows(key), _rows(value), k_cache, v_cache, slot_mapping,
-                                               null_block_writes, _scale(scale, k_cache))
+    torch.ops.kvsentry.reshape_and_cache_flash(contiguous_rows(key), contiguous_rows(value), k_cache, v_cache,
+                                               slot_mapping, null_block_writes, scale_tensor(scale, k_cache))
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank]
@@ -166,5 +166,5 @@ def concat_and_cache_mla(kv_c: torch.Tensor,          # [num_tokens, kv_lora_ran
                          scale: torch.Tensor | float | None = None,
                          ) -> None:
     _cuda_only("concat_and_cache_mla", kv_c, k_pe, kv_cache, slot_mapping, null_block_writes)
-    torch.ops.kvsentry.concat_and_cache_mla(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping,
-                                            null_block_writes, _scale(scale, kv_cache))
+    torch.ops.kvsentry.concat_and_cache_mla(contiguous_rows(kv_c), contiguous_rows(k_pe), kv_cache, slot_mapping,
+                                            null_block_writes, scale_tensor(scale, kv_cache))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops import cpu_ops
+from engine.ops.cuda_ops import contiguous_rows, scale_tensor
 from engine.ops.write_guard import WriteGuard
 from engine.paging import block_of_slot, null_block_hits, offset_in_block
 
@@ -89,16 +90,6 @@ def _host_kernel(cache: torch.Tensor) -> bool:
     return cache.device.type == "cpu" and cpu_ops.available()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()  # the op reads each row as one run
-
-
-def _scale(scale: torch.Tensor | float | None) -> torch.Tensor | None:
-    if scale is None or isinstance(scale, torch.Tensor):
-        return scale
-    return torch.tensor([scale], dtype=torch.float32)
-
-
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, null_block_writes: torch.Tensor | None = None,
              scale: torch.Tensor | None = None, guard: WriteGuard | None = None) -> None:
@@ -112,8 +103,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     elif _host_kernel(k_cache):
         # The kernels' per-token code run on the host (csrc/cache_kernels_host.cpp): one call
         # where the reference runs ~15 small ops per layer, bit for bit the same writes.
-        torch.ops.kvsentry.reshape_and_cache_flash(_rows(key), _rows(value), k_cache, v_cache, slot_mapping,
-                                                   null_block_writes, _scale(scale))
+        torch.ops.kvsentry.reshape_and_cache_flash(contiguous_rows(key), contiguous_rows(value), k_cache, v_cache,
+                                                   slot_mapping, null_block_writes, scale_tensor(scale, k_cache))
         return
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
@@ -129,7 +120,7 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
             return
     elif _host_kernel(kv_cache):
-        torch.ops.kvsentry.concat_and_cache_mla(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping,
-                                                null_block_writes, _scale(scale))
+        torch.ops.kvsentry.concat_and_cache_mla(contiguous_rows(kv_c), contiguous_rows(k_pe), kv_cache, slot_mapping,
+                                                null_block_writes, scale_tensor(scale, kv_cache))
         return
     write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
