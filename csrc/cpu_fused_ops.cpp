@@ -21,13 +21,14 @@
 // compute in float and round once), there is no FMA contraction (the pragma below), and what
 // is not plain arithmetic is torch's own: the sum of squares is at::sum over the same float32
 // [T, N] tensor that x.pow(2) gives (torch's summation order; the mean divides it by N), and
-// SiLU is at::silu on the same gate view (torch's exp). The torch references
+// SiLU is torch's formula with torch's exp (Sleef's, as ATen's vector loop calls it). The torch references
 // (engine/ops/fused_ops.py) define the results; tests/csrc/test_fused_ops.py holds the
 // kernels to them bit for bit.
 
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -44,6 +45,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -343,24 +345,65 @@ void check_silu(const Tensor& gate_up) {
               "kvsentry::silu_and_mul: gate_up must be float32 or bfloat16 [T, 2 I] with a contiguous last dim");
 }
 
-// out = silu(gate) already (torch's kernel wrote it there); out *= up, rounded to T.
+#if defined(__AVX512F__)
+// torch's own vector exp: ATen's Vectorized<float>::exp() is Sleef_expf16_u10, which
+// libtorch_cpu exports. Found at load time in the library that defines at::silu_out, so a
+// torch without it (another build) leaves this null and the op falls back to at::silu_out.
+using VectorExp = __m512 (*)(__m512);
+VectorExp torch_vector_exp() {
+  static const VectorExp fn = [] {
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&at::_ops::silu_out::call), &info) == 0 || info.dli_fname == nullptr) {
+      return VectorExp{nullptr};
+    }
+    void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    return lib == nullptr ? VectorExp{nullptr} : reinterpret_cast<VectorExp>(dlsym(lib, "Sleef_expf16_u10"));
+  }();
+  return fn;
+}
+#endif
+
+// out = silu(gate) * up in one pass, with torch's bits: the SiLU as ATen's CPU kernel
+// computes it (x / (1 + exp(-x)) in float, rounded to T), then the product in float, rounded
+// to T. ATen's elementwise loop runs its vector body over 2 vectors of T at a time (64 bf16
+// or 32 float elements) and the rest of each row through the scalar formula with std::exp;
+// the chunking below is the same, so every element takes the path (and exp) it takes there.
 template <typename T>
-void mul_up_impl(const Tensor& gate_up, const Tensor& out) {
+void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
   using IO = Io<T>;
   const int64_t rows = out.size(0), n = out.size(1);
-  const auto* up = raw_ptr<T>(gate_up) + n;
+  const auto* gp = raw_ptr<T>(gate_up);
   auto* op = raw_mut<T>(out);
-  const int64_t u_stride = gate_up.stride(0);
+  const int64_t g_stride = gate_up.stride(0);
+#if defined(__AVX512F__)
+  const VectorExp vexp = torch_vector_exp();
+  constexpr int64_t chunk = std::is_same_v<T, float> ? 2 * kLanes : 4 * kLanes;
+#endif
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const auto* b = up + row * u_stride;
+      const auto* g = gp + row * g_stride;
+      const auto* u = g + n;
       auto* o = op + row * n;
       int64_t j = 0;
 #if defined(__AVX512F__)
       using V = Vec<T>;
-      for (; j + kLanes <= n; j += kLanes) V::store(o + j, _mm512_mul_ps(V::load(o + j), V::load(b + j)));
+      const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+      for (; j + chunk <= n; j += chunk) {
+        // The exps first (opaque calls), then the independent divisions and roundings of
+        // the whole chunk, which the core overlaps: one vector at a time waited on each.
+        __m512 e[chunk / kLanes];
+        for (int64_t k = 0; k < chunk / kLanes; ++k) e[k] = vexp(_mm512_xor_ps(V::load(g + j + k * kLanes), sign));
+        for (int64_t k = 0; k < chunk / kLanes; ++k) {
+          const __m512 x = V::load(g + j + k * kLanes);
+          const __m512 s = V::round(_mm512_div_ps(x, _mm512_add_ps(one, e[k])));
+          V::store(o + j + k * kLanes, _mm512_mul_ps(s, V::load(u + j + k * kLanes)));
+        }
+      }
 #endif
-      for (; j < n; ++j) o[j] = IO::store(IO::load(o[j]) * IO::load(b[j]));
+      for (; j < n; ++j) {
+        const float x = IO::load(g[j]);
+        o[j] = IO::store(round_to<T>(x / (1.0f + std::exp(-x))) * IO::load(u[j]));
+      }
     }
   });
 }
@@ -369,13 +412,20 @@ Tensor silu_and_mul_cpu(const Tensor& gate_up) {
   check_silu(gate_up);
   const int64_t n = gate_up.size(1) / 2;
   Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
-  // F.silu(gate) on the same strided view as the reference, written straight into out: torch's
-  // own kernel, the same bits; then the product in place (no second [T, I] tensor).
-  at::silu_out(out, gate_up.narrow(1, 0, n));
+#if defined(__AVX512F__)
+  const bool own_loop = torch_vector_exp() != nullptr;
+#else
+  const bool own_loop = false;  // torch's vector body uses another exp here (AVX2 or none)
+#endif
+  if (!own_loop) {  // torch's own kernel into out, then the product in place
+    at::silu_out(out, gate_up.narrow(1, 0, n));
+    out.mul_(gate_up.narrow(1, n, n));
+    return out;
+  }
   if (gate_up.scalar_type() == at::kFloat) {
-    mul_up_impl<float>(gate_up, out);
+    silu_mul_impl<float>(gate_up, out);
   } else {
-    mul_up_impl<c10::BFloat16>(gate_up, out);
+    silu_mul_impl<c10::BFloat16>(gate_up, out);
   }
   return out;
 }

@@ -86,6 +86,18 @@ def test_silu_and_mul_matches_reference_bitwise(kvsentry_ops, dtype, rows, inter
     assert_silu_matches(kvsentry_ops.silu_and_mul(wide), silu_and_mul_reference(wide))
 
 
+def test_silu_and_mul_every_bf16_gate(kvsentry_ops):
+    """All 65,536 bf16 gate values, in the vector body and (5 per row) the scalar tail: the
+    kernel's SiLU is torch's formula with torch's exp, so nothing may differ, not one bit."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for width in (128, 69):  # 69 = one 64-wide vector chunk + a 5-element scalar tail
+        rows = -(-gate.numel() // width)
+        g = torch.cat([gate, gate[:rows * width - gate.numel()]]).view(rows, width)
+        up = randn(rows, width, dtype=torch.bfloat16, seed=width, scale=3.0)
+        gate_up = torch.cat([g, up], dim=1)
+        assert_silu_matches(kvsentry_ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+
+
 SPECIAL = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 3.0e38, -3.0e38, 1e-40, -100.0, 100.0, 88.5, -88.5]
 
 
