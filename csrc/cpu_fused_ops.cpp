@@ -361,7 +361,6 @@ VectorExp torch_vector_exp() {
   }();
   return fn;
 }
-#endif
 
 // out = silu(gate) * up in one pass, with torch's bits: the SiLU as ATen's CPU kernel
 // computes it (x / (1 + exp(-x)) in float, rounded to T), then the product in float, rounded
@@ -375,17 +374,14 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
   const auto* gp = raw_ptr<T>(gate_up);
   auto* op = raw_mut<T>(out);
   const int64_t g_stride = gate_up.stride(0);
-#if defined(__AVX512F__)
   const VectorExp vexp = torch_vector_exp();
   constexpr int64_t chunk = std::is_same_v<T, float> ? 2 * kLanes : 4 * kLanes;
-#endif
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const auto* g = gp + row * g_stride;
       const auto* u = g + n;
       auto* o = op + row * n;
       int64_t j = 0;
-#if defined(__AVX512F__)
       using V = Vec<T>;
       const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
       for (; j + chunk <= n; j += chunk) {
@@ -399,7 +395,6 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
           V::store(o + j + k * kLanes, _mm512_mul_ps(s, V::load(u + j + k * kLanes)));
         }
       }
-#endif
       for (; j < n; ++j) {
         const float x = IO::load(g[j]);
         o[j] = IO::store(round_to<T>(x / (1.0f + std::exp(-x))) * IO::load(u[j]));
@@ -407,26 +402,26 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
     }
   });
 }
+#endif  // __AVX512F__
 
 Tensor silu_and_mul_cpu(const Tensor& gate_up) {
   check_silu(gate_up);
   const int64_t n = gate_up.size(1) / 2;
   Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
 #if defined(__AVX512F__)
-  const bool own_loop = torch_vector_exp() != nullptr;
-#else
-  const bool own_loop = false;  // torch's vector body uses another exp here (AVX2 or none)
-#endif
-  if (!own_loop) {  // torch's own kernel into out, then the product in place
-    at::silu_out(out, gate_up.narrow(1, 0, n));
-    out.mul_(gate_up.narrow(1, n, n));
+  if (torch_vector_exp() != nullptr) {
+    if (gate_up.scalar_type() == at::kFloat) {
+      silu_mul_impl<float>(gate_up, out);
+    } else {
+      silu_mul_impl<c10::BFloat16>(gate_up, out);
+    }
     return out;
   }
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_impl<float>(gate_up, out);
-  } else {
-    silu_mul_impl<c10::BFloat16>(gate_up, out);
-  }
+#endif
+  // No torch exp to call, or a build whose torch vector body uses another exp (AVX2 or none):
+  // torch's own kernel into out, then the product in place.
+  at::silu_out(out, gate_up.narrow(1, 0, n));
+  out.mul_(gate_up.narrow(1, n, n));
   return out;
 }
 

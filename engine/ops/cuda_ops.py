@@ -130,7 +130,7 @@ def _cuda_only(name: str, *tensors: torch.Tensor | None) -> None:
     for t in tensors:
         if t is not None and not t.is_cuda:
             raise ValueError(f"cuda_ops.{name}: every tensor must be on a CUDA device, got one on {t.device} "
-                             "(CPU caches go through engine.ops.kv_writer's torch reference)")
+                             "(CPU caches go through engine.ops.kv_writer: the op's host code, or its torch reference)")
 
 
 def contiguous_rows(x: torch.Tensor) -> torch.Tensor:

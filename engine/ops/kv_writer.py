@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops import cpu_ops
-from engine.ops.cuda_ops import contiguous_rows, scale_tensor
+from engine.ops import cpu_ops, cuda_ops
 from engine.ops.write_guard import WriteGuard
 from engine.paging import block_of_slot, null_block_hits, offset_in_block
 
@@ -96,15 +95,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if guard is not None:  # count (and, strict, drop) writes outside the step's blocks, on the device
         slot_mapping = guard.check(slot_mapping)
     if k_cache.is_cuda:
-        from engine.ops import cuda_ops
         if cuda_ops.available():
             cuda_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
             return
     elif _host_kernel(k_cache):
         # The kernels' per-token code run on the host (csrc/cache_kernels_host.cpp): one call
         # where the reference runs ~15 small ops per layer, bit for bit the same writes.
-        torch.ops.kvsentry.reshape_and_cache_flash(contiguous_rows(key), contiguous_rows(value), k_cache, v_cache,
-                                                   slot_mapping, null_block_writes, scale_tensor(scale, k_cache))
+        torch.ops.kvsentry.reshape_and_cache_flash(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value), k_cache, v_cache,
+                                                   slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, k_cache))
         return
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
@@ -115,12 +113,11 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     if guard is not None:
         slot_mapping = guard.check(slot_mapping)
     if kv_cache.is_cuda:
-        from engine.ops import cuda_ops
         if cuda_ops.available():
             cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
             return
     elif _host_kernel(kv_cache):
-        torch.ops.kvsentry.concat_and_cache_mla(contiguous_rows(kv_c), contiguous_rows(k_pe), kv_cache, slot_mapping,
-                                                null_block_writes, scale_tensor(scale, kv_cache))
+        torch.ops.kvsentry.concat_and_cache_mla(cuda_ops.contiguous_rows(kv_c), cuda_ops.contiguous_rows(k_pe), kv_cache, slot_mapping,
+                                                null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
         return
     write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)

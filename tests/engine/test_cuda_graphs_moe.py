@@ -24,7 +24,7 @@ from engine.ops import cuda_ops, flex_attention
 from engine.ops.attention import AttentionMetadata
 from engine.models.moe import SparseMoeBlock
 from engine.ops.checksum import block_words
-from engine.paging import NULL_BLOCK_ID, PAD_SLOT_ID
+from engine.paging import NULL_BLOCK_ID
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import eager_reason
 from engine.worker.kv_cache import block_axis
