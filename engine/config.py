@@ -219,7 +219,7 @@ class EngineConfig:
     # Decode batch sizes captured as CUDA graphs (engine/worker/cuda_graphs.py), ascending;
     # none given: default_cuda_graph_sizes(max_num_seqs). Only on CUDA, never with enforce_eager.
     cuda_graph_sizes: tuple[int, ...] = ()
-    enforce_eager: bool = False  # no CUDA graphs: every step runs the model eagerly
+    enforce_eager: bool = False  # no CUDA graphs, no fused CPU layer stack: every op runs from Python
     cuda_graph_check_null_block: bool = False  # debug: verify block 0 is zero after every dummy replay
 
     @property

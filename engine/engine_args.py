@@ -96,7 +96,8 @@ ENGINE_ARGS = (
     EngineArg("cuda_graph_sizes", "decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (none given: 1, 2, 4, "
               "every 8 up to 256, every 16 beyond, through --max-num-seqs, at most 512); a decode step pads "
               "to the next size", group="CUDA graphs", type=parse_sizes),
-    EngineArg("enforce_eager", "never capture CUDA graphs: every step runs the model eagerly", group="CUDA graphs"),
+    EngineArg("enforce_eager", "never capture CUDA graphs, nor run a CPU model's layers as one op "
+              "(engine/models/fused_stack.py): every op of every step runs from Python", group="CUDA graphs"),
     EngineArg("cuda_graph_check_null_block", "debug: after every dummy batch replayed through a CUDA graph, "
               "verify the null block is bitwise zero on every layer (one host sync) and stop if not",
               group="CUDA graphs"),

@@ -12,6 +12,7 @@ from engine.ops.attention import paged_attention
 from engine.config import EngineConfig
 from engine.ops.kv_writer import write_kv
 from engine.models.cpu_gemm import PackedLinear, fused_linear
+from engine.models.fused_stack import FusedLayerStack
 from engine.models.layers import Linear, RMSNorm, SiluMLP, StepContext, pack_linears
 from engine.models.rotary import RotaryEmbedding, rope_parameters
 
@@ -101,11 +102,22 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.get("rms_norm_eps", 1e-6))
+        self.fused: FusedLayerStack | None = None  # the layers as one CPU op, see fuse_layers()
+
+    def fuse_layers(self) -> None:
+        """After packing: run the layers as one csrc op where they are all dense (fused_stack.py)."""
+        if all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is SiluMLP
+               for layer in self.layers):
+            self.fused = FusedLayerStack.build(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        for layer in self.layers:
-            hidden = layer(positions, hidden, ctx)
+        fused = self.fused.run(positions, hidden, ctx) if self.fused is not None else None
+        if fused is not None:
+            hidden = fused
+        else:
+            for layer in self.layers:
+                hidden = layer(positions, hidden, ctx)
         return self.norm(hidden)
 
 
@@ -138,6 +150,8 @@ class CausalLM(nn.Module):
         if self.lm_head.weight.device.type != "cpu":
             return
         pack_linears(self)
+        if not self.config.enforce_eager:
+            self.model.fuse_layers()
 
     def wants_weight(self, name: str) -> bool:
         """Whether this rank loads checkpoint tensor `name` (MoE ranks skip others' experts)."""

@@ -63,3 +63,9 @@ def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
                            scale: float) -> None:
     torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                               read_blocks, num_read_blocks, scale)
+
+
+def dense_decoder_layers(*args) -> torch.Tensor:
+    """A dense decoder's layer stack in one call (csrc/cpu_decoder_layers.cpp; arguments as
+    its schema, built by engine/models/fused_stack.py)."""
+    return torch.ops.kvsentry.dense_decoder_layers(*args)

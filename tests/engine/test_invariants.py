@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import engine.models.llama as llama_module
+from engine.ops import cpu_ops
 from engine.config import EngineConfig
 from engine.paging import PAD_SLOT_ID
 from engine.core.engine_core import EngineCore
@@ -58,13 +59,20 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
                                  dummy_batch_random_inputs=random_dummy, kv_checksums="full")
     core = EngineCore(config)
     written: list[torch.Tensor] = []
-    real_write = llama_module.write_kv
+    real_write, real_layers = llama_module.write_kv, cpu_ops.dense_decoder_layers
 
     def recording_write(key, value, k_cache, v_cache, slot_mapping, counter=None, **kwargs):
         written.append(slot_mapping[slot_mapping >= 0].clone())
         real_write(key, value, k_cache, v_cache, slot_mapping, counter, **kwargs)
 
+    def recording_layers(*args):  # the fused stack (fused_stack.py): every layer writes `slots`
+        slots, k_caches = args[9], args[5]
+        written.extend(slots[slots >= 0].clone() for _ in k_caches)
+        return real_layers(*args)
+
+    # Steps go through the Python layer loop or the fused stack: record the writes of both.
     monkeypatch.setattr(llama_module, "write_kv", recording_write)
+    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", recording_layers)
     rng = random.Random(seed)
     ids = []
     # Shared stems so the prefix cache sees repeats.

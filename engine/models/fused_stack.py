@@ -1,0 +1,103 @@
+"""A dense decoder's layer stack as one csrc op on CPU (csrc/cpu_decoder_layers.cpp).
+
+The Python layer loop (engine/models/llama.py) issues ~15 ops per layer; for a 30-layer
+model at batch 1 that is ~2 ms of interpreter and dispatch in a ~10 ms decode step. The op
+runs the same loop in C++, op for op through the dispatcher (the same oneDNN linears and
+kvsentry kernels), so its results are the loop's bits (tests/csrc/test_decoder_layers.py).
+
+A step takes the loop instead whenever it needs what the op does not do: a prefill chunk
+long enough for SDPA, a non-CPU or fixed-shape (CUDA-graph) step, a cache in another dtype,
+forward hooks on a layer, or `--enforce-eager` (every op from Python, as vLLM's flag means
+on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape never build one.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.ops import attention, cpu_ops
+from engine.models.layers import StepContext
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class FusedLayerStack:
+    """The packed weights of every layer, flattened in the op's order; immutable once built."""
+
+    def __init__(self, layers: nn.ModuleList):
+        first = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.scale = first.scale
+        self.eps = layers[0].input_layernorm.eps
+        self.cos, self.sin = first.rotary.cos, first.rotary.sin
+        self.weights: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor | None] = []
+        self.qk_norms: list[torch.Tensor] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv, attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed)
+            self.weights += [layer.input_layernorm.weight, attn.qkv.weight, attn.o_proj.packed.weight,
+                             layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down_proj.packed.weight]
+            self.biases += [linear.bias for linear in linears]
+            if attn.qk_norm:
+                self.qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
+        # Modules whose hooks the op would skip: with any hook set, the step runs the loop.
+        self._hookable = [m for layer in layers for m in layer.modules()]
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList) -> FusedLayerStack | None:
+        """A stack over `layers` (llama.py's DecoderLayer with its Attention and a SiluMLP: the
+        caller checks the kinds) when every linear is packed for oneDNN and the op is built."""
+        if len(layers) == 0 or not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "dense_decoder_layers"):
+            return None
+        first = layers[0]
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv, attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed)
+            if any(linear is None or not linear.onednn for linear in linears):
+                return None
+            if attn.qk_norm and not (attn.q_norm.eps == attn.k_norm.eps == first.input_layernorm.eps):
+                return None
+            same = (layer.input_layernorm.eps == layer.post_attention_layernorm.eps == first.input_layernorm.eps
+                    and attn.qk_norm == first.self_attn.qk_norm and attn.scale == first.self_attn.scale
+                    and torch.equal(attn.rotary.cos, first.self_attn.rotary.cos)
+                    and torch.equal(attn.rotary.sin, first.self_attn.rotary.sin))
+            if not same:
+                return None
+        return cls(layers)
+
+    def _hooked(self) -> bool:
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)
+
+    def run(self, positions: torch.Tensor,  # [T] int64
+            hidden: torch.Tensor,           # [T, N] the embeddings
+            ctx: StepContext) -> torch.Tensor | None:  # [T, N] after the last layer; None: run the loop
+        meta = ctx.meta
+        k0 = ctx.kv_caches[0][0]
+        if (meta.fixed_shape or hidden.device.type != "cpu" or hidden.dtype not in _DTYPES
+                or k0.dtype != hidden.dtype or torch.is_grad_enabled() or not hidden.is_contiguous()
+                or not cpu_ops.available() or self._hooked()):  # KVSENTRY_DISABLE_CPU_OPS, read per step
+            return None
+        decodes, starts = meta.num_decodes, meta.query_start_loc_cpu
+        block_size = k0.shape[1]
+        prefill = None
+        if meta.num_reqs > decodes:
+            longest = max(starts[i + 1] - starts[i] for i in range(decodes, meta.num_reqs))
+            if longest >= attention.PREFILL_SDPA_MIN_TOKENS:
+                return None  # those chunks go through SDPA, in the loop
+            prefill = meta.prefill_plan(block_size, hidden.device)
+        decode = meta.decode_plan(block_size, hidden.device) if decodes else None
+        slots = ctx.write_guard.check(meta.slot_mapping) if ctx.write_guard is not None else meta.slot_mapping
+        first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None else (decodes, decodes)
+        return cpu_ops.dense_decoder_layers(
+            hidden, positions, self.weights, self.biases, self.qk_norms,
+            [kv[0] for kv in ctx.kv_caches], [kv[1] for kv in ctx.kv_caches], self.cos, self.sin,
+            slots, ctx.null_block_writes,
+            meta.block_tables if decode is not None else None, meta.seq_lens if decode is not None else None,
+            decode.reads if decode is not None else None, decode.num_read if decode is not None else 0, decodes,
+            prefill.tables if prefill is not None else None, prefill.seq_lens if prefill is not None else None,
+            prefill.reads if prefill is not None else None, prefill.num_read if prefill is not None else 0,
+            first, last,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)

@@ -1,0 +1,147 @@
+"""csrc/cpu_decoder_layers.cpp (torch.ops.kvsentry.dense_decoder_layers, run by
+engine/models/fused_stack.py) against the Python layer loop it replaces: the same bits.
+
+Each case drives two engines on one checkpoint, one with the fused stack and one with
+`enforce_eager` (the loop), through the same steps -- decodes, prompts short enough for the
+kernel's prefill rows, a long prompt that takes the loop (SDPA) mid-run, padding and dummy
+batches -- and compares every step's hidden states, the KV cache and the sampled tokens
+bitwise. Needs the ops built (`kvsentry_ops`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.messages import EngineRequest
+from engine.ops import attention, cpu_ops
+from engine.sampling_params import SamplingParams
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def engines(path: str, dtype: torch.dtype, **kwargs) -> tuple[EngineCore, EngineCore]:
+    args = dict(max_model_len=256, num_gpu_blocks=96, block_size=16, dtype=str(dtype).removeprefix("torch."),
+                enable_prefix_caching=False)
+    args.update(kwargs)
+    fused = EngineCore(EngineConfig.create(path, **args))
+    eager = EngineCore(EngineConfig.create(path, enforce_eager=True, **args))
+    assert fused.runner.model.model.fused is not None, "the fused stack was not built"
+    assert eager.runner.model.model.fused is None
+    return fused, eager
+
+
+def record_hidden(core: EngineCore) -> list[torch.Tensor]:
+    """Every forward's final hidden states, in order."""
+    seen: list[torch.Tensor] = []
+    norm = core.runner.model.model.norm
+    norm.register_forward_hook(lambda module, args, out: seen.append(args[0].clone()))
+    return seen
+
+
+def add(core: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> None:
+    core.add_request(EngineRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                               ignore_eos=True, logprobs=2)))
+
+
+def run_plan(core: EngineCore, plan) -> list:
+    outputs = []
+    for action, arg in plan:
+        if action == "add":
+            add(core, *arg)
+        elif action == "dummy":
+            core.run_dummy(arg)
+        else:
+            for _ in range(arg):
+                for out in core.step():
+                    lp = out.new_logprobs[0] if out.new_logprobs else None
+                    outputs.append((out.request_id, out.new_token_ids,
+                                    None if lp is None else (lp.logprob, lp.top)))
+    return outputs
+
+
+def mixed_plan(vocab: int) -> list:
+    g = torch.Generator().manual_seed(1)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(5, vocab, (n,), generator=g).tolist()
+    long = attention.PREFILL_SDPA_MIN_TOKENS + 11
+    return [("add", ("a", prompt(1), 12)), ("add", ("b", prompt(7), 12)), ("step", 2),
+            ("add", ("c", prompt(40), 10)), ("step", 1), ("dummy", 8),
+            ("add", ("d", prompt(long), 6)),  # a chunk for SDPA: that step runs the loop
+            ("step", 3), ("add", ("e", prompt(17), 8)), ("step", 4), ("dummy", 3), ("step", 20)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_fused_stack_equals_the_layer_loop(kvsentry_ops, checkpoint, preset, dtype, monkeypatch):
+    """Llama, Qwen2 (q|k|v bias) and Qwen3 (per-head q/k norms), float32 and bf16: every
+    step's hidden states, the cache and the outputs are bitwise those of the loop."""
+    path = checkpoint(preset, num_hidden_layers=3)
+    fused, eager = engines(path, dtype)
+    calls = []
+    real = cpu_ops.dense_decoder_layers
+    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", lambda *a: (calls.append(1), real(*a))[1])
+    hidden_fused, hidden_eager = record_hidden(fused), record_hidden(eager)
+    plan = mixed_plan(fused.config.model.vocab_size)
+    out_fused = run_plan(fused, plan)
+    n_fused = len(calls)
+    out_eager = run_plan(eager, plan)
+    assert len(calls) == n_fused, "the enforce_eager engine called the fused op"
+    assert len(hidden_fused) == len(hidden_eager) and n_fused == len(hidden_fused) - 1  # the SDPA step: the loop
+    for step, (a, b) in enumerate(zip(hidden_fused, hidden_eager)):
+        assert torch.equal(a, b), f"step {step}: hidden states differ"
+    assert torch.equal(fused.runner.kv_storage.view(torch.uint8), eager.runner.kv_storage.view(torch.uint8))
+    assert out_fused == out_eager
+    assert int(fused.runner.null_block_writes) == int(eager.runner.null_block_writes) == 0
+
+
+def test_dummy_and_padded_rows_write_nothing(kvsentry_ops, checkpoint):
+    """PAD_SLOT_ID rows through the fused op: a dummy batch leaves the cache's bytes as they
+    were, and a step padded past its real tokens writes only the real tokens' slots."""
+    path = checkpoint("tiny-llama", num_hidden_layers=2)
+    fused, _ = engines(path, torch.float32)
+    add(fused, "a", list(range(5, 25)), 4)
+    fused.step()
+    before = fused.runner.kv_storage.clone()
+    fused.run_dummy(16)
+    assert torch.equal(before.view(torch.int32), fused.runner.kv_storage.view(torch.int32))
+    sched = fused.schedule()
+    fused.step(sched, num_padded=sched.num_tokens + 7)
+    changed = before.view(torch.int32) != fused.runner.kv_storage.view(torch.int32)
+    # storage [L, 2, Hkv, NB, bs, D] -> the slots (NB * bs) any layer's K or V changed in
+    touched = changed.any(dim=-1).flatten(0, 2).any(dim=0).flatten().nonzero().flatten().tolist()
+    (request, _), = sched.scheduled
+    slot = request.block_ids[1] * 16 + 20 % 16  # position 20: the decoded token
+    assert touched == [slot]
+    assert int(fused.runner.null_block_writes) == 0
+
+
+def test_hooks_and_enforce_eager_take_the_loop(kvsentry_ops, checkpoint, monkeypatch):
+    """A forward hook on any layer module sends the step through the loop (so the hook
+    fires); --enforce-eager never builds the stack; a MoE model never gets one."""
+    path = checkpoint("tiny-llama", num_hidden_layers=2)
+    fused, _ = engines(path, torch.float32)
+    calls, fired = [], []
+    real = cpu_ops.dense_decoder_layers
+    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", lambda *a: (calls.append(1), real(*a))[1])
+    add(fused, "a", list(range(5, 12)), 3)
+    fused.step()
+    assert calls == [1]
+    handle = fused.runner.model.model.layers[1].mlp.register_forward_hook(lambda *a: fired.append(1))
+    fused.step()
+    assert calls == [1] and fired == [1]
+    handle.remove()
+    fused.step()
+    assert calls == [1, 1]
+    moe = EngineCore(EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=128, num_gpu_blocks=32))
+    assert moe.runner.model.model.fused is None
+
+
+def test_op_checks_its_arguments(kvsentry_ops):
+    hidden = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="6 tensors per layer"):
+        torch.ops.kvsentry.dense_decoder_layers(
+            hidden, torch.zeros(2, dtype=torch.int64), [hidden], [None] * 4, [], [torch.zeros(4, 16, 1, 8)],
+            [torch.zeros(4, 16, 1, 8)], torch.zeros(8, 8), torch.zeros(8, 8), torch.full((2,), -1), None,
+            None, None, None, 0, 0, None, None, None, 0, 0, 0, 1, 1, 8, 1e-6, 1.0)
