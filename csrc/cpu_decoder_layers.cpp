@@ -8,9 +8,11 @@
 //
 //     hidden       [T, N] float32 or bfloat16, contiguous: the embeddings (T counts padding rows)
 //     positions    [T] int64
-//     weights      6 per layer: input norm [N], q|k|v packed for oneDNN, o packed, post-attention
-//                  norm [N], gate|up packed, down packed (engine/models/cpu_gemm.py's PackedLinear)
+//     weights      6 per layer: input norm [N], q|k|v packed, o packed, post-attention norm [N],
+//                  gate|up packed, down packed (engine/models/cpu_gemm.py's PackedLinear): each
+//                  linear is oneDNN's packed weight or bf16_gemm's panels (csrc/cpu_bf16_gemm.cpp)
 //     biases       4 per layer (None where the layer has none): q|k|v, o, gate|up, down
+//     out_features 4 per layer: the linears' output widths (panels are padded to 64)
 //     qk_norms     2 per layer (Qwen3's per-head q and k norms [D]) or none at all
 //     k/v_caches   per layer [num_blocks, block_size, Hkv, D], any strides (the head-major CPU layout)
 //     cos, sin     [P, D] rotary tables; slot_mapping [T] int64 (PAD_SLOT_ID = -1 skips a row)
@@ -56,6 +58,7 @@ struct LayerOps {
                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
   c10::OperatorHandle linear_boxed;
   std::optional<c10::TypedOperatorHandle<LinearSig>> linear_typed;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)> panel_gemm;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
       add_rms_norm;
@@ -76,6 +79,7 @@ struct LayerOps {
 
   LayerOps()
       : linear_boxed(find("mkldnn::_linear_pointwise")),
+        panel_gemm(find("kvsentry::bf16_gemm").typed<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>()),
         rms_norm(find("kvsentry::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double)>()),
         add_rms_norm(find("kvsentry::add_rms_norm")
                          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>()),
@@ -96,8 +100,12 @@ struct LayerOps {
     }
   }
 
-  // PackedLinear.__call__: mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
-  Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) const {
+  // PackedLinear.__call__: bf16_gemm(x, panels, bias, out_features) for panels (a plain 4-d
+  // tensor), else mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
+  Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
+    if (!weight.is_mkldnn() && weight.dim() == 4) {
+      return panel_gemm.call(x, weight, bias, out_features);
+    }
     if (linear_typed.has_value()) {
       c10::List<std::optional<c10::Scalar>> scalars;
       scalars.push_back(std::nullopt);
@@ -137,7 +145,7 @@ Tensor contiguous_rows(const Tensor& x) { return x.stride(-1) == 1 ? x : x.conti
 using OptTensorList = c10::List<OptTensor>;
 
 void check(const Tensor& hidden, const Tensor& positions, at::TensorList weights, const OptTensorList& biases,
-           const OptTensorList& qk_norms, at::TensorList k_caches, at::TensorList v_caches, int64_t num_decodes,
+           at::IntArrayRef out_features, const OptTensorList& qk_norms, at::TensorList k_caches, at::TensorList v_caches, int64_t num_decodes,
            int64_t prefill_first, int64_t prefill_last, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2 && hidden.is_contiguous() &&
@@ -149,6 +157,8 @@ void check(const Tensor& hidden, const Tensor& positions, at::TensorList weights
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers, kOp, ": weights must hold 6 tensors per layer, got ",
               weights.size(), " for ", layers, " layers");
   TORCH_CHECK(static_cast<int64_t>(biases.size()) == 4 * layers, kOp, ": biases must hold 4 entries per layer");
+  TORCH_CHECK(static_cast<int64_t>(out_features.size()) == 4 * layers, kOp,
+              ": out_features must hold 4 entries per layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers, kOp,
               ": qk_norms must be empty or hold 2 entries per layer");
   for (size_t i = 0; i < qk_norms.size(); ++i) {
@@ -162,7 +172,8 @@ void check(const Tensor& hidden, const Tensor& positions, at::TensorList weights
 }
 
 Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions, at::TensorList weights,
-                                const OptTensorList& biases, const OptTensorList& qk_norms,
+                                const OptTensorList& biases, at::IntArrayRef out_features,
+                                const OptTensorList& qk_norms,
                                 at::TensorList k_caches, at::TensorList v_caches, const Tensor& cos,
                                 const Tensor& sin, const Tensor& slot_mapping, const OptTensor& null_block_writes,
                                 const OptTensor& decode_tables, const OptTensor& decode_seq_lens,
@@ -171,7 +182,7 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
                                 const OptTensor& prefill_reads, int64_t prefill_num_read, int64_t prefill_first,
                                 int64_t prefill_last, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 double eps, double scale) {
-  check(hidden_in, positions, weights, biases, qk_norms, k_caches, v_caches, num_decodes, prefill_first, prefill_last,
+  check(hidden_in, positions, weights, biases, out_features, qk_norms, k_caches, v_caches, num_decodes, prefill_first, prefill_last,
         num_heads, num_kv_heads, head_dim);
   TORCH_CHECK(num_decodes == 0 || (decode_tables.has_value() && decode_seq_lens.has_value()), kOp,
               ": decode rows need their tables and lengths");
@@ -184,10 +195,11 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const Tensor* w = &weights[6 * l];
     const OptTensor b[4] = {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2), biases.get(4 * l + 3)};
+    const int64_t* n = &out_features[4 * l];
     Tensor k_cache = k_caches[l];  // a handle: the op writes the cache's storage
     Tensor v_cache = v_caches[l];
     // Attention (engine/models/llama.py, Attention.forward)
-    const Tensor qkv = ops.linear(ops.rms_norm.call(hidden, w[0], eps), w[1], b[0]);
+    const Tensor qkv = ops.linear(ops.rms_norm.call(hidden, w[0], eps), w[1], b[0], n[0]);
     Tensor q = qkv.narrow(1, 0, q_size).reshape({tokens, num_heads, head_dim});
     Tensor k = qkv.narrow(1, q_size, kv_size).reshape({tokens, num_kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({tokens, num_kv_heads, head_dim});
@@ -210,11 +222,11 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
       ops.attention.call(rows, q.narrow(0, prefill_first, prefill_last - prefill_first), k_cache, v_cache,
                          *prefill_tables, *prefill_seq_lens, prefill_reads, prefill_num_read, scale);
     }
-    const Tensor attn = ops.linear(out.view({tokens, num_heads * v_cache.size(-1)}), w[2], b[1]);
+    const Tensor attn = ops.linear(out.view({tokens, num_heads * v_cache.size(-1)}), w[2], b[1], n[1]);
     // DecoderLayer.forward: the residual add fused into the post-attention norm, then the MLP.
     Tensor normed;
     std::tie(normed, hidden) = ops.add_rms_norm.call(attn, hidden, w[3], eps);
-    const Tensor mlp = ops.linear(ops.silu_and_mul.call(ops.linear(normed, w[4], b[2])), w[5], b[3]);
+    const Tensor mlp = ops.linear(ops.silu_and_mul.call(ops.linear(normed, w[4], b[2], n[2])), w[5], b[3], n[3]);
     hidden = at::add(hidden, mlp);
   }
   return hidden;
@@ -225,7 +237,7 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def(
       "dense_decoder_layers(Tensor hidden, Tensor positions, Tensor[] weights, Tensor?[] biases, "
-      "Tensor?[] qk_norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
+      "int[] out_features, Tensor?[] qk_norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
       "Tensor slot_mapping, Tensor(c!)? null_block_writes, Tensor? decode_tables, Tensor? decode_seq_lens, "
       "Tensor? decode_reads, int decode_num_read, int num_decodes, Tensor? prefill_tables, "
       "Tensor? prefill_seq_lens, Tensor? prefill_reads, int prefill_num_read, int prefill_first, "

@@ -30,15 +30,18 @@ class FusedLayerStack:
         self.scale = first.scale
         self.eps = layers[0].input_layernorm.eps
         self.cos, self.sin = first.rotary.cos, first.rotary.sin
-        self.weights: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []  # norms, and the linears' bf16 panels or oneDNN weights
         self.biases: list[torch.Tensor | None] = []
+        self.out_features: list[int] = []
         self.qk_norms: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv, attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed)
-            self.weights += [layer.input_layernorm.weight, attn.qkv.weight, attn.o_proj.packed.weight,
-                             layer.post_attention_layernorm.weight, mlp.gate_up.weight, mlp.down_proj.packed.weight]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            packed = [linear.panels if linear.panels is not None else linear.weight for linear in linears]
+            self.weights += [norms[0], packed[0], packed[1], norms[1], packed[2], packed[3]]
             self.biases += [linear.bias for linear in linears]
+            self.out_features += [linear.out_features for linear in linears]
             if attn.qk_norm:
                 self.qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
         # Modules whose hooks the op would skip: with any hook set, the step runs the loop.
@@ -47,14 +50,14 @@ class FusedLayerStack:
     @classmethod
     def build(cls, layers: nn.ModuleList) -> FusedLayerStack | None:
         """A stack over `layers` (llama.py's DecoderLayer with its Attention and a SiluMLP: the
-        caller checks the kinds) when every linear is packed for oneDNN and the op is built."""
+        caller checks the kinds) when every linear is packed (cpu_gemm.py) and the op is built."""
         if len(layers) == 0 or not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "dense_decoder_layers"):
             return None
         first = layers[0]
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv, attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed)
-            if any(linear is None or not linear.onednn for linear in linears):
+            if any(linear is None or (linear.panels is None and not linear.onednn) for linear in linears):
                 return None
             if attn.qk_norm and not (attn.q_norm.eps == attn.k_norm.eps == first.input_layernorm.eps):
                 return None
@@ -92,7 +95,7 @@ class FusedLayerStack:
         slots = ctx.write_guard.check(meta.slot_mapping) if ctx.write_guard is not None else meta.slot_mapping
         first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None else (decodes, decodes)
         return cpu_ops.dense_decoder_layers(
-            hidden, positions, self.weights, self.biases, self.qk_norms,
+            hidden, positions, self.weights, self.biases, self.out_features, self.qk_norms,
             [kv[0] for kv in ctx.kv_caches], [kv[1] for kv in ctx.kv_caches], self.cos, self.sin,
             slots, ctx.null_block_writes,
             meta.block_tables if decode is not None else None, meta.seq_lens if decode is not None else None,

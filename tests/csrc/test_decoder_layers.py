@@ -142,6 +142,6 @@ def test_op_checks_its_arguments(kvsentry_ops):
     hidden = torch.zeros(2, 8)
     with pytest.raises(RuntimeError, match="6 tensors per layer"):
         torch.ops.kvsentry.dense_decoder_layers(
-            hidden, torch.zeros(2, dtype=torch.int64), [hidden], [None] * 4, [], [torch.zeros(4, 16, 1, 8)],
+            hidden, torch.zeros(2, dtype=torch.int64), [hidden], [None] * 4, [8] * 4, [], [torch.zeros(4, 16, 1, 8)],
             [torch.zeros(4, 16, 1, 8)], torch.zeros(8, 8), torch.zeros(8, 8), torch.full((2,), -1), None,
             None, None, None, 0, 0, None, None, None, 0, 0, 0, 1, 1, 8, 1e-6, 1.0)

@@ -66,7 +66,7 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
         real_write(key, value, k_cache, v_cache, slot_mapping, counter, **kwargs)
 
     def recording_layers(*args):  # the fused stack (fused_stack.py): every layer writes `slots`
-        slots, k_caches = args[9], args[5]
+        slots, k_caches = args[10], args[6]
         written.extend(slots[slots >= 0].clone() for _ in k_caches)
         return real_layers(*args)
 

@@ -1,0 +1,88 @@
+"""csrc/cpu_bf16_gemm.cpp (torch.ops.kvsentry.bf16_gemm) against a float64 reference and
+against oneDNN, on CPUs with AVX512-BF16 (skipped elsewhere: the engine keeps oneDNN there).
+
+The reference: x @ w^T + b in float64 over the bf16 inputs, which float32 accumulation of
+exact bf16 products must meet within its own rounding (K ulps of the largest partial sum),
+and the result rounded to bf16 once. Needs the ops built (`kvsentry_ops`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ops(kvsentry_ops):
+    if not kvsentry_ops.bf16_gemm_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: the engine uses oneDNN for every bf16 linear")
+    return kvsentry_ops
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out + b.double() if b is not None else out
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 summation error bound per output: K * eps32 * sum |x_k w_k| (+ the bf16 rounding)."""
+    k = x.shape[1]
+    return k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+SHAPES = [(1, 960, 576), (2, 576, 576), (5, 3072, 576), (6, 64, 64), (7, 100, 33), (13, 1536, 96),
+          (64, 576, 1536), (97, 130, 64), (200, 49, 1), (0, 64, 64)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_matches_float64_within_float32_summation(ops, m, n, k, with_bias):
+    """Every row tile (1..6 rows), partial panels (N not a multiple of 64), odd K, M past
+    a row chunk (96), empty M: within float32 summation error of the exact result, then
+    rounded to bf16 (one bf16 ulp at most beyond it)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = (torch.randn(n, k, generator=g) * 0.2).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    y = ops.bf16_gemm(x, ops.bf16_gemm_pack(w), b, n)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    exact = reference(x, w, b)
+    slack = bound(x, w) + exact.abs() * 2.0 ** -8  # the final rounding to bf16: half an ulp, with margin
+    assert bool(((y.double() - exact).abs() <= slack).all())
+
+
+def test_agrees_with_onednn_on_the_default_models_shapes(ops):
+    """oneDNN's avx512_core_bf16 kernels also sum bf16 pairs in float32 with vdpbf16ps: on
+    the default model's layer shapes the two agree on (nearly) every output bit."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 path here")
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 960, 576), (8, 3072, 576), (32, 576, 1536)]:
+        w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+        x = torch.randn(m, k, generator=g).bfloat16()
+        ours = ops.bf16_gemm(x, ops.bf16_gemm_pack(w), None, n)
+        theirs = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
+                                                    "none", [None], "")
+        assert (ours != theirs).float().mean().item() < 0.01
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_non_finite_inputs_propagate(ops):
+    """A NaN or inf in x reaches every output it multiplies (no masking, no saturation)."""
+    w = torch.ones(64, 8).bfloat16()
+    x = torch.zeros(3, 8).bfloat16()
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    y = ops.bf16_gemm(x, ops.bf16_gemm_pack(w), None, 64)
+    assert bool(y[0].isnan().all()) and bool((y[1] == float("inf")).all()) and bool((y[2] == 0).all())
+
+
+def test_strided_rows_and_checks(ops):
+    w = torch.randn(70, 40).bfloat16()
+    packed = ops.bf16_gemm_pack(w)
+    wide = torch.randn(5, 100).bfloat16()
+    x = wide[:, 10:50]  # rows of 40 with a stride of 100
+    torch.testing.assert_close(ops.bf16_gemm(x, packed, None, 70), ops.bf16_gemm(x.contiguous(), packed, None, 70),
+                               rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        ops.bf16_gemm(torch.randn(2, 41).bfloat16(), packed, None, 70)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.bf16_gemm(torch.randn(2, 40), packed, None, 70)
