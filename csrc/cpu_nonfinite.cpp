@@ -51,6 +51,14 @@ void count(const Tensor& words, const int64_t* id, int64_t n, int64_t* o) {
       uint32_t found = 0;
       for (int64_t c = 0; c < chunks; ++c) {
         const uint32_t* w = layer + c * s2;
+        // The chunks of a block lie far apart (one per layer, K/V and head in the CPU layout):
+        // ask for the next one while this one is counted, or every chunk starts with a miss.
+        const uint32_t* next = c + 1 < chunks ? w + s2 : (t + 1 < end ? base + id[(t + 1) / num_layers] * s0 +
+                                                                            ((t + 1) % num_layers) * s1
+                                                                      : nullptr);
+        if (next != nullptr) {
+          for (int64_t j = 0; j < chunk_words; j += 16) __builtin_prefetch(next + j);
+        }
         for (int64_t j = 0; j < chunk_words; ++j) found += nonfinite_in_word<kKind>(w[j]);
       }
       o[t] = found;
