@@ -5,8 +5,8 @@ model at batch 1 that is ~2 ms of interpreter and dispatch in a ~10 ms decode st
 runs the same loop in C++, op for op through the dispatcher (the same oneDNN linears and
 kvsentry kernels), so its results are the loop's bits (tests/csrc/test_decoder_layers.py).
 
-A step takes the loop instead whenever it needs what the op does not do: a prefill chunk
-long enough for SDPA, a non-CPU or fixed-shape (CUDA-graph) step, a cache in another dtype,
+A step takes the loop instead whenever it needs what the op does not do: prefill chunks
+for SDPA (engine/ops/attention.py, prefill_in_kernel), a non-CPU or fixed-shape (CUDA-graph) step, a cache in another dtype,
 forward hooks on a layer, or `--enforce-eager` (every op from Python, as vLLM's flag means
 on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape never build one.
 """
@@ -87,8 +87,7 @@ class FusedLayerStack:
         block_size = k0.shape[1]
         prefill = None
         if meta.num_reqs > decodes:
-            longest = max(starts[i + 1] - starts[i] for i in range(decodes, meta.num_reqs))
-            if longest >= attention.PREFILL_SDPA_MIN_TOKENS:
+            if not attention.prefill_in_kernel(meta):
                 return None  # those chunks go through SDPA, in the loop
             prefill = meta.prefill_plan(block_size, hidden.device)
         decode = meta.decode_plan(block_size, hidden.device) if decodes else None

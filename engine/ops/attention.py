@@ -212,11 +212,24 @@ def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
     return out
 
 
-# A prefill chunk at least this long runs through SDPA (torch's flash kernel: the chunk's
-# queries share each K/V tile) instead of the decode kernel's one row per token, which
-# rereads the whole prefix for every query row (4 x 500-token prompts of the default model
-# in bf16: ~51 ms per layer in the kernel).
+# Prefill chunks run through the decode kernel's one row per token, which rereads the prefix
+# for every query row, unless a chunk is at least PREFILL_SDPA_MIN_TOKENS long and a prefill
+# request's sequence is longer than PREFILL_KERNEL_MAX_LEN: then the step's chunks run through
+# SDPA (torch's flash kernel, each query tile sharing the K/V tiles). On a 1-core Zen 5, default
+# model, bf16, whole prefill steps: 8 x 128 tokens 526 ms (kernel) vs 660 ms (SDPA: 0.5 ms per
+# 128-token causal call), 1 x 1000 940 vs 1022 ms, 1 x 2000 2949 vs 2699 ms (the prefix's K/V
+# outgrow L2); float32 4 x 256 1003 vs 1090 ms.
 PREFILL_SDPA_MIN_TOKENS = 64
+PREFILL_KERNEL_MAX_LEN = 1024
+
+
+def prefill_in_kernel(meta: AttentionMetadata) -> bool:
+    """Whether the step's prefill chunks (requests past the decodes) all go through the
+    kernel's rows (see PREFILL_KERNEL_MAX_LEN); read at call time, so tests can move it."""
+    starts, first = meta.query_start_loc_cpu, meta.num_decodes
+    longest_chunk = max((starts[i + 1] - starts[i] for i in range(first, meta.num_reqs)), default=0)
+    longest_seq = max(meta.seq_lens_cpu[first:meta.num_reqs], default=0)
+    return longest_chunk < PREFILL_SDPA_MIN_TOKENS or longest_seq <= PREFILL_KERNEL_MAX_LEN
 
 
 def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, head_dim]
@@ -255,8 +268,7 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
             out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
                                                        meta.block_tables[:decodes], meta.seq_lens[:decodes],
                                                        plan, scale)
-    longest_chunk = max((starts[i + 1] - starts[i] for i in range(decodes, meta.num_reqs)), default=0)
-    if meta.num_reqs > decodes and use_kernel and longest_chunk < PREFILL_SDPA_MIN_TOKENS:
+    if meta.num_reqs > decodes and use_kernel and prefill_in_kernel(meta):
         # Every prefill token of every request in one kernel call (see PrefillPlan).
         first, last = starts[decodes], starts[meta.num_reqs]
         plan = meta.prefill_plan(block_size, query.device)

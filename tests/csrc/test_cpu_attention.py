@@ -240,8 +240,10 @@ def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoi
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     llm = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16)
     calls = []
-    real = cpu_ops.paged_decode_attention
+    real, real_layers = cpu_ops.paged_decode_attention, cpu_ops.dense_decoder_layers
     monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: (calls.append(1), real(*a)))
+    # A dense model's steps run the kernel from inside the fused layer stack (fused_stack.py).
+    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", lambda *a: (calls.append(1), real_layers(*a))[1])
     fast = llm.generate(prompts, params)
     assert calls, "the engine did not use the kernel"
     monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")

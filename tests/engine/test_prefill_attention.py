@@ -1,5 +1,5 @@
-"""Long prefill chunks run through SDPA, short ones through the C++ kernel's one row per token
-(engine/ops/attention.py, PREFILL_SDPA_MIN_TOKENS): both give the same greedy tokens and
+"""Prefill chunks run through SDPA or through the C++ kernel's one row per token
+(engine/ops/attention.py, prefill_in_kernel): both give the same greedy tokens and
 near-equal prompt logprobs, with and without a cached prefix (chunked prefill)."""
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_sdpa_prefill_matches_the_kernel(checkpoint, monkeypatch, chunk):
     path = checkpoint("tiny-llama")
     rng = random.Random(chunk)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (200, 70, 130)]
+    monkeypatch.setattr(attention, "PREFILL_KERNEL_MAX_LEN", 0)  # chunks of 64 tokens or more: SDPA
     sdpa = run(path, prompts, chunk)
     monkeypatch.setattr(attention, "PREFILL_SDPA_MIN_TOKENS", 10_000)  # every prefill row in the kernel
     kernel = run(path, prompts, chunk)
