@@ -26,7 +26,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
-#if defined(__x86_64__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -42,7 +42,8 @@ constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 ac
 constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
 constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
 
-#if defined(__x86_64__)
+// Only in AVX-512 builds (KVSENTRY_CPU_ARCH=AVX2 caps the ISA: such a build uses oneDNN).
+#if defined(__AVX512F__)
 bool supported() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
   return has;
@@ -139,7 +140,7 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     x.narrow(1, 0, k).copy_(x_in);
   }
   const Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : Tensor();
-#if defined(__x86_64__)
+#if defined(__AVX512F__)
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
   const int64_t xs = x.stride(0) / 2;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
