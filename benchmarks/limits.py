@@ -5,7 +5,7 @@
 Measures, on one thread:
   - memory bandwidth: a float32 sum over 1 GiB (read only, one pass, best of 5), the bound of a
     weight-streaming step;
-  - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) prepacked for oneDNN as the
+  - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) packed (cpu_gemm.PackedLinear) as the
     engine runs them, at 256 and 1024 rows, in GFLOP/s;
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
     weights read per second at batch 1 and as forward GFLOP/s at batch 64.
