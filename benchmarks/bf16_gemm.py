@@ -14,25 +14,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from common import best
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.ops import cpu_ops  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 
-
-def best(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> int:
@@ -69,7 +61,7 @@ def main() -> int:
             if not torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2):
                 print(f"FAIL: outputs differ at {rows} rows: max |diff| {(a.float() - b.float()).abs().max():.3g}")
                 failed = True
-        t_one, t_pan = best(run_onednn), best(run_panels)
+        t_one, t_pan = best(run_onednn, 7), best(run_panels, 7)
         flop = 2 * rows * weight_bytes / 2
         print(f"{rows:>5} {t_one * 1e3:>10.2f} {t_pan * 1e3:>10.2f} {weight_bytes / t_one / 1e9:>12.1f} "
               f"{weight_bytes / t_pan / 1e9:>12.1f} {flop / t_one / 1e9:>15.0f} {flop / t_pan / 1e9:>15.0f} "

@@ -9,6 +9,7 @@ import hashlib
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,6 +19,17 @@ NEAR_TIE_GAP = 1.0  # float32 logits of the two sides' tokens this close at a fi
 # bfloat16: more divergent requests than this share fails the run. On random-id prompts about 40% of
 # 64-token continuations meet a near-tie somewhere (SmolLM2, kvsentry vs transformers, 32 requests).
 MAX_DIVERGENT_SHARE = 0.6
+
+
+def best(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Seconds of the fastest of `repeats` calls of `fn`, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def workload_parser() -> argparse.ArgumentParser:

@@ -5,8 +5,8 @@
 Measures, on one thread:
   - memory bandwidth: a float32 sum over 1 GiB (read only, one pass, best of 5), the bound of a
     weight-streaming step;
-  - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) packed (cpu_gemm.PackedLinear) as the
-    engine runs them, at 256 and 1024 rows, in GFLOP/s;
+  - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) packed as the engine runs
+    them (cpu_gemm.PackedLinear), at 256 and 1024 rows, in GFLOP/s;
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
     weights read per second at batch 1 and as forward GFLOP/s at batch 64.
 and prints each achieved figure beside its limit.
@@ -18,17 +18,8 @@ import time
 
 import torch
 
-from common import bench_checkpoint, prompt_token_range, random_prompts
+from common import bench_checkpoint, best, prompt_token_range, random_prompts
 
-
-def best(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def memory_bandwidth() -> float:  # bytes/s

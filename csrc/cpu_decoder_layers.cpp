@@ -182,8 +182,8 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
                                 const OptTensor& prefill_reads, int64_t prefill_num_read, int64_t prefill_first,
                                 int64_t prefill_last, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 double eps, double scale) {
-  check(hidden_in, positions, weights, biases, out_features, qk_norms, k_caches, v_caches, num_decodes, prefill_first, prefill_last,
-        num_heads, num_kv_heads, head_dim);
+  check(hidden_in, positions, weights, biases, out_features, qk_norms, k_caches, v_caches, num_decodes,
+        prefill_first, prefill_last, num_heads, num_kv_heads, head_dim);
   TORCH_CHECK(num_decodes == 0 || (decode_tables.has_value() && decode_seq_lens.has_value()), kOp,
               ": decode rows need their tables and lengths");
   TORCH_CHECK(prefill_last == prefill_first || (prefill_tables.has_value() && prefill_seq_lens.has_value()), kOp,
