@@ -5,7 +5,7 @@
 Every layer's four GEMMs (q|k|v, o, gate|up, down) of the default model (SmolLM2-135M: hidden
 576, intermediate 1536, 9 + 2 x 3 heads of 64), 30 layers of distinct random weights so that
 each call reads its weight from memory as a decode step does, at 1 to 1024 rows. Prints the
-best of 7 passes for each side, the weight bytes per second, the GFLOP/s and the ratio, and
+best of 7 passes for each side (oneDNN and every panel kernel this CPU runs: AMX tiles, vdpbf16ps), the weight bytes per second, the GFLOP/s and the ratio, and
 exits 1 when the two sides' outputs differ by more than bf16 rounding of float32 sums
 (they are computed with the same instruction; only the summation order may differ).
 Needs a CPU with AVX512-BF16 (without it the engine uses oneDNN alone).
@@ -26,7 +26,6 @@ from engine.ops import cpu_ops  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 
 
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=30)
@@ -42,9 +41,13 @@ def main() -> int:
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
     panels = [[torch.ops.kvsentry.bf16_gemm_pack(w) for w in layer] for layer in weights]
     weight_bytes = sum(o * i for o, i in SHAPES) * 2 * args.layers
-    print(f"{args.layers} layers x {SHAPES}, {weight_bytes / 1e6:.0f} MB of bf16 weights, {args.threads} thread(s)")
-    print(f"{'rows':>5} {'oneDNN ms':>10} {'panels ms':>10} {'oneDNN GB/s':>12} {'panels GB/s':>12} "
-          f"{'oneDNN GFLOP/s':>15} {'panels GFLOP/s':>15} {'speed-up':>9}")
+    kernels = list(torch.ops.kvsentry.bf16_gemm_kernels())
+    print(f"{args.layers} layers x {SHAPES}, {weight_bytes / 1e6:.0f} MB of bf16 weights, {args.threads} thread(s), "
+          f"panel kernels here: {', '.join(kernels)}")
+    header = f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'GFLOP/s':>8}"
+    for kernel in kernels:
+        header += f" | {kernel + ' ms':>15} {'GB/s':>6} {'GFLOP/s':>8} {'speed-up':>8}"
+    print(header)
     failed = False
     for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, i, generator=g).bfloat16() for _, i in SHAPES]
@@ -53,19 +56,23 @@ def main() -> int:
             return [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
                     for layer in onednn for w, x in zip(layer, xs)]
 
-        def run_panels():
-            return [torch.ops.kvsentry.bf16_gemm(x, p, None, o)
+        def run_panels(kernel):
+            return [torch.ops.kvsentry.bf16_gemm_with(x, p, None, o, kernel)
                     for layer in panels for p, x, (o, _) in zip(layer, xs, SHAPES)]
 
-        for a, b in zip(run_onednn()[:4], run_panels()[:4]):
-            if not torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2):
-                print(f"FAIL: outputs differ at {rows} rows: max |diff| {(a.float() - b.float()).abs().max():.3g}")
-                failed = True
-        t_one, t_pan = best(run_onednn, 7), best(run_panels, 7)
         flop = 2 * rows * weight_bytes / 2
-        print(f"{rows:>5} {t_one * 1e3:>10.2f} {t_pan * 1e3:>10.2f} {weight_bytes / t_one / 1e9:>12.1f} "
-              f"{weight_bytes / t_pan / 1e9:>12.1f} {flop / t_one / 1e9:>15.0f} {flop / t_pan / 1e9:>15.0f} "
-              f"{t_one / t_pan:>8.2f}x", flush=True)
+        t_one = best(run_onednn, 7)
+        line = f"{rows:>5} {t_one * 1e3:>10.2f} {weight_bytes / t_one / 1e9:>6.1f} {flop / t_one / 1e9:>8.0f}"
+        for kernel in kernels:
+            for a, b in zip(run_onednn()[:4], run_panels(kernel)[:4]):
+                if not torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2):
+                    print(f"FAIL: {kernel} differs from oneDNN at {rows} rows: "
+                          f"max |diff| {(a.float() - b.float()).abs().max():.3g}")
+                    failed = True
+            t = best(lambda: run_panels(kernel), 7)
+            line += (f" | {t * 1e3:>15.2f} {weight_bytes / t / 1e9:>6.1f} {flop / t / 1e9:>8.0f} "
+                     f"{t_one / t:>7.2f}x")
+        print(line, flush=True)
     return 1 if failed else 0
 
 

@@ -1,10 +1,15 @@
 // A bfloat16 GEMM for the linear layers of decode steps on CPUs with AVX512-BF16.
 //
 //   packed = torch.ops.kvsentry.bf16_gemm_pack(weight)        weight [N, K] bf16
-//            -> [ceil(N / 64), ceil(K / 2), 64, 2] bf16: 64-output panels, K in pairs
+//            -> [ceil(N / 64), 16 ceil(K / 32), 64, 2] bf16: 64-output panels, K in pairs
+//               (zero-padded to whole blocks of 16 pairs, an AMX tile's depth; the packed
+//               weight knows K only to that granule: an x with K in the same 32 is accepted)
 //   y = torch.ops.kvsentry.bf16_gemm(x, packed, bias, N)        x [M, K] bf16 (rows contiguous)
 //            -> [M, N] bf16: x @ weight^T (+ bias), products summed in float32, rounded once
+//   y = torch.ops.kvsentry.bf16_gemm_with(x, packed, bias, N, kernel)   one kernel by name
 //   torch.ops.kvsentry.bf16_gemm_supported() -> bool            built with it and the CPU has it
+//   torch.ops.kvsentry.bf16_gemm_kernels() -> str[]             the kernels this CPU runs, best first:
+//            "amx" (AMX-BF16 tiles) and "avx512_bf16" (vdpbf16ps); bf16_gemm takes the first
 //
 // Why: a decode step's linears read every weight once for a few rows. oneDNN's kernels for
 // those shapes (avx512_core_bf16 on CPUs without AMX) run far below both the memory and the
@@ -14,6 +19,14 @@
 // vdpbf16ps'ed into a 6 x 4 register tile of float32 accumulators straight from the x row's
 // embedded broadcast: 24 multiply-adds of 32 products per 4 cache lines, memory bound up to
 // 6 rows and near the FMA peak beyond (the panel stays in L2 across row tiles).
+//
+// On CPUs with AMX (Intel Sapphire Rapids and later) the same panels are AMX B tiles as they
+// lie: 16 pairs of K by 16 outputs, rows 256 bytes apart. Four C tiles hold 16 rows x 64
+// outputs; each block of 32 K loads one A tile of x and the panel's four B tiles in address
+// order, so the weight is still one contiguous stream. On a 1-core Xeon with AMX, oneDNN's AMX
+// kernels read a decode step's weights at ~60% of the memory bandwidth (9.8 of 16.6 GB/s) and
+// these tiles at ~76% up to 16 rows; from ~128 rows oneDNN's blocking is faster (1.2 vs 0.8
+// TFLOP/s at 1024 rows), so engine/models/cpu_gemm.py keeps oneDNN for those (AMX_MAX_ROWS).
 //
 // Numerics: vdpbf16ps multiplies bf16 pairs exactly and adds in float32 (denormal inputs and
 // results read as zero, round to nearest even), summing K in order two at a time; the bias is
@@ -28,11 +41,15 @@
 #include <torch/library.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -41,6 +58,10 @@ constexpr const char* kOp = "kvsentry::bf16_gemm";
 constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 accumulators
 constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
 constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
+constexpr int64_t kDepth = 16;  // pairs of K per AMX tile (and the packing's K granule)
+constexpr int64_t kTileRows = 16;  // rows of x per AMX A tile
+
+int64_t padded_pairs(int64_t k) { return (k + 2 * kDepth - 1) / (2 * kDepth) * kDepth; }
 
 // Only in AVX-512 builds (KVSENTRY_CPU_ARCH=AVX2 caps the ISA: such a build uses oneDNN).
 #if defined(__AVX512F__)
@@ -92,16 +113,151 @@ __attribute__((target("avx512f,avx512bf16"))) void tile(const uint32_t* x, int64
 using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t,
                         int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+// AMX: the kernel needs the CPU flags and the permission to use the tile data state (Linux
+// grants it per process on request; oneDNN makes the same request).
+bool amx_supported() {
+  static const bool has = [] {
+    if (!supported() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
+}
+
+// Palette 1: tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B
+// (16 pairs x 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  explicit TileConfig(int64_t m) {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = static_cast<uint8_t>(t < 5 ? m : kDepth);
+    }
+  }
+};
+
+constexpr int64_t kOutBytes = kPanel * 4;       // bytes per acc row: one panel's float32 outputs
+constexpr int64_t kPairBytes = 2 * kPanel * 2;  // bytes per pair of K in a panel
+constexpr int64_t kBlockBytes = kDepth * kPairBytes;
+constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for more than 16 rows
+constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
+
+// C [rows, 64] (+)= x[:, blocks b0..b1) . panel for the rows the loaded config was made for,
+// starting from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, int64_t x_bytes,
+                                                           const uint16_t* panel, int64_t b0, int64_t b1,
+                                                           bool first, float* acc) {
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, kOutBytes);
+    _tile_loadd(1, acc + 16, kOutBytes);
+    _tile_loadd(2, acc + 32, kOutBytes);
+    _tile_loadd(3, acc + 48, kOutBytes);
+  }
+  const char* w = reinterpret_cast<const char*>(panel) + b0 * kBlockBytes;
+  const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
+  for (int64_t b = b0; b < b1; ++b, w += kBlockBytes, a += 4 * kDepth) {
+    _tile_loadd(4, a, x_bytes);
+    _tile_loadd(5, w, kPairBytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, w + 64, kPairBytes);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, w + 128, kPairBytes);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, w + 192, kPairBytes);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, acc, kOutBytes);
+  _tile_stored(1, acc + 16, kOutBytes);
+  _tile_stored(2, acc + 32, kOutBytes);
+  _tile_stored(3, acc + 48, kOutBytes);
+}
+
+// y[r, 0:width] = bf16(acc[r, 0:width] + bias) for `rows` rows.
+__attribute__((target("avx512f,avx512bf16"))) void amx_store(const float* acc, int64_t rows, const float* bias,
+                                                             uint16_t* y, int64_t ys, int64_t width) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t left = width - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bj = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * kPanel + 16 * j), bj));
+      _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)out);
+    }
+  }
+}
+
+// Loads the config for these rows unless it is the one loaded (ldtilecfg also zeroes the tiles).
+__attribute__((target("amx-tile"))) void configure(TileConfig& loaded, int64_t rows) {
+  const TileConfig want(rows);
+  if (std::memcmp(&want, &loaded, sizeof want) != 0) {
+    loaded = want;
+    _tile_loadconfig(&loaded);
+  }
+}
+
+// Panels [begin, end) for every row of x. Up to 16 rows walk a panel's K in one go (the panel
+// streams from memory once). More rows walk it in chunks of kChunkBlocks blocks (24 KB of the
+// panel, which stays in L1 across the blocks of rows), the C tiles kept in `acc` between
+// chunks; and kAmxRowChunk rows at a time, their x staying in L2 across the panels.
+// Tile state is per thread: configured here and released before returning.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int64_t end, const uint16_t* xp,
+                                                             int64_t xs, const uint16_t* wp, int64_t pairs,
+                                                             const float* bp, uint16_t* yp, int64_t m,
+                                                             int64_t n) {
+  const int64_t chunk_rows = std::min(m, kAmxRowChunk);
+  std::vector<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
+  float* acc = acc_rows.data();
+  const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
+  TileConfig loaded(0);  // none yet: no config has 0 rows
+  for (int64_t r0 = 0; r0 < m; r0 += kAmxRowChunk) {
+    const int64_t r1 = std::min(m, r0 + kAmxRowChunk);
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const uint16_t* w = wp + panel * pairs * 2 * kPanel;
+      const int64_t col = panel * kPanel;
+      for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+        const int64_t b1 = std::min(blocks, b0 + chunk);
+        for (int64_t r = r0; r < r1; r += kTileRows) {
+          configure(loaded, std::min(kTileRows, r1 - r));
+          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, acc + (r - r0) * kPanel);
+        }
+      }
+      amx_store(acc, r1 - r0, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, std::min(kPanel, n - col));
+    }
+  }
+  _tile_release();
+}
+
+// Threads split the panels; each walks its own.
+void amx_gemm(const uint16_t* xp, int64_t xs, const uint16_t* wp, int64_t panels, int64_t pairs, const float* bp,
+              uint16_t* yp, int64_t m, int64_t n) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    amx_panels(begin, end, xp, xs, wp, pairs, bp, yp, m, n);
+  });
+}
 #else
 bool supported() { return false; }
+bool amx_supported() { return false; }
 #endif
 
 Tensor pack(const Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
               "kvsentry::bf16_gemm_pack: weight must be a CPU bfloat16 [N, K] tensor");
   const Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel, pairs = (k + 1) / 2;
-  // Zero padding: past N the outputs are never stored, past K the products are 0 * x.
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel, pairs = padded_pairs(k);
+  // Zero padding: past N the outputs are never stored, past K the products are 0 * 0 (x is
+  // padded with zeros too).
   Tensor packed = at::zeros({panels, pairs, kPanel, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
@@ -118,34 +274,52 @@ Tensor pack(const Tensor& weight) {
   return packed;
 }
 
-Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {
+enum class Kernel { kAmx, kAvx512Bf16 };
+
+Kernel kernel_named(const std::string& name) {
+  if (name == "amx") {
+    TORCH_CHECK(amx_supported(), kOp, ": this CPU (or build) has no AMX-BF16");
+    return Kernel::kAmx;
+  }
+  TORCH_CHECK(name == "avx512_bf16", kOp, ": unknown kernel '", name, "' (amx or avx512_bf16)");
   TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX512-BF16");
+  return Kernel::kAvx512Bf16;
+}
+
+Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n, Kernel kernel) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(), kOp,
               ": x must be a CPU bfloat16 [M, K] tensor");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kPanel &&
                   packed.size(3) == 2 && packed.is_contiguous(),
               kOp, ": packed must come from bf16_gemm_pack");
   const int64_t m = x_in.size(0), k = x_in.size(1), panels = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(pairs == (k + 1) / 2 && n > (panels - 1) * kPanel && n <= panels * kPanel, kOp, ": x [", m, ", ", k,
-              "] and N = ", n, " do not fit the packed weight ", packed.sizes());
+  TORCH_CHECK(pairs == padded_pairs(k) && n > (panels - 1) * kPanel && n <= panels * kPanel, kOp, ": x [", m, ", ",
+              k, "] and N = ", n, " do not fit the packed weight ", packed.sizes());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, ": bias must be [N]");
   }
   Tensor y = at::empty({m, n}, x_in.options());
   if (m == 0) return y;
-  // x as 32-bit pairs: rows contiguous and of even length (an odd K gets a zero column).
+  // x as 32-bit pairs, rows contiguous and as long as the packed K (zeros past K): an AMX A
+  // tile reads whole blocks of 32 values, which must not reach into the next row's values (a
+  // NaN there times a zero weight would be NaN).
   Tensor x = x_in;
-  if (k % 2 != 0 || x.stride(1) != 1 || x.stride(0) % 2 != 0 || (reinterpret_cast<uintptr_t>(x.data_ptr()) & 3)) {
+  if (2 * pairs != k || x.stride(1) != 1 || x.stride(0) % 2 != 0 || (reinterpret_cast<uintptr_t>(x.data_ptr()) & 3)) {
     x = at::zeros({m, 2 * pairs}, x_in.options());
     x.narrow(1, 0, k).copy_(x_in);
   }
   const Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : Tensor();
 #if defined(__AVX512F__)
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+  const uint16_t* xh = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xh);
   const int64_t xs = x.stride(0) / 2;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (kernel == Kernel::kAmx) {
+    amx_gemm(xh, x.stride(0), wp, panels, pairs, bp, yp, m, n);
+    return y;
+  }
   // Threads split the panels; each walks its panels once per chunk of rows.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
@@ -164,17 +338,38 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   return y;
 }
 
+// The best kernel this CPU runs: AMX where there is AMX, else vdpbf16ps.
+Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {
+  TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX512-BF16");
+  return run(x, packed, bias, n, amx_supported() ? Kernel::kAmx : Kernel::kAvx512Bf16);
+}
+
+Tensor gemm_with(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n,
+                 c10::string_view kernel) {
+  return run(x, packed, bias, n, kernel_named(std::string(kernel)));
+}
+
 bool gemm_supported() { return supported(); }
+
+std::vector<std::string> gemm_kernels() {
+  std::vector<std::string> kernels;
+  if (amx_supported()) kernels.emplace_back("amx");
+  if (supported()) kernels.emplace_back("avx512_bf16");
+  return kernels;
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("bf16_gemm_pack(Tensor weight) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("bf16_gemm_with(Tensor x, Tensor packed, Tensor? bias, int n, str kernel) -> Tensor");
   m.def("bf16_gemm_supported() -> bool", &gemm_supported);
+  m.def("bf16_gemm_kernels() -> str[]", &gemm_kernels);
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("bf16_gemm_pack", &pack);
   m.impl("bf16_gemm", &gemm);
+  m.impl("bf16_gemm_with", &gemm_with);
 }
