@@ -26,6 +26,8 @@ VARIABLES = (
     EnvVar("KVSENTRY_CSRC_DIR", "the csrc/ sources (default: the checkout's); with none, a prebuilt library loads"),
     EnvVar("KVSENTRY_CPU_ARCH", "cap the CPU kernels' vector ISA: DEFAULT, AVX2 or AVX512"),
     EnvVar("KVSENTRY_DISABLE_CPU_OPS", "=1: never use the CPU kernels (the torch reference runs)"),
+    EnvVar("KVSENTRY_DISABLE_AMX_PANELS", "=1: on AMX CPUs, bf16 linears keep oneDNN's weight alone "
+           "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_REQUIRE_CPU_OPS", "=1: a failed CPU kernel build is an error, never a fallback"),
     EnvVar("KVSENTRY_DISABLE_CUDA_OPS", "=1: never use the CUDA kernels (the torch reference runs)"),
     EnvVar("KVSENTRY_REQUIRE_CUDA_OPS", "=1: a failed CUDA kernel build is an error, never a fallback"),
@@ -40,6 +42,10 @@ def _get(name: str) -> str | None:
 
 def _flag(name: str) -> bool:
     return _get(name) == "1"
+
+
+def disable_amx_panels() -> bool:
+    return _flag("KVSENTRY_DISABLE_AMX_PANELS")
 
 
 def api_key() -> str | None:

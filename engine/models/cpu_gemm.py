@@ -16,8 +16,13 @@ every size goes through csrc/cpu_bf16_gemm.cpp instead, with the weight packed i
 (and not for oneDNN: one copy). It streams the weight at memory speed for decode-sized inputs
 where oneDNN's avx512_core_bf16 kernels do not, and matches them on prefill sizes: over the
 default model's 30 layers on one Zen 5 core (benchmarks/bf16_gemm.py), 1.36x oneDNN at 1 row,
-1.35x at 8, 1.17x at 32, 1.10x at 64, 1.0x at 128 and 1024 rows. Where the CPU has AMX,
-oneDNN's AMX kernels run every size.
+1.35x at 8, 1.17x at 32, 1.10x at 64, 1.0x at 128 and 1024 rows.
+
+bfloat16 on CPUs with AMX (Intel Sapphire Rapids and later): the same panels through AMX tiles
+for steps of up to AMX_PANEL_MAX_ROWS rows, oneDNN's AMX kernels beyond, so both copies are
+kept (the linears' bf16 weights twice; KVSENTRY_DISABLE_AMX_PANELS=1 keeps oneDNN's alone). On
+one Xeon core, the default model's 30 layers: 1.29x oneDNN at 1-8 rows, 1.22x at 32, 1.03x at
+64, but 0.87x at 128 and 0.62x at 1024 rows, where oneDNN's blocking reaches 1.2 TFLOP/s.
 """
 from __future__ import annotations
 
@@ -25,9 +30,12 @@ import functools
 
 import torch
 
+from engine import envs
 from engine.ops import cpu_ops
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# Rows up to which the AMX panels run a bf16 linear where oneDNN is there too (see above).
+AMX_PANEL_MAX_ROWS = 64
 
 
 @functools.cache
@@ -43,12 +51,21 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def panels_supported(weight: torch.Tensor) -> bool:
-    """Whether a linear of `weight` runs through the bf16 panel GEMM (csrc/cpu_bf16_gemm.cpp)."""
+    """Whether a linear of `weight` can run through the bf16 panel GEMM (csrc/cpu_bf16_gemm.cpp)."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if "amx_bf16" in _cpu_flags() or not cpu_ops.available():
+    if not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "bf16_gemm_kernels"):
         return False
-    return hasattr(torch.ops.kvsentry, "bf16_gemm") and bool(torch.ops.kvsentry.bf16_gemm_supported())
+    return bool(torch.ops.kvsentry.bf16_gemm_supported())
+
+
+def panel_max_rows() -> int | None:
+    """The most rows a bf16 linear sends to its panels when oneDNN holds a copy too:
+    AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere;
+    0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone."""
+    if "amx_bf16" not in _cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+        return None
+    return 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
 
 
 def onednn_supports(weight: torch.Tensor) -> bool:
@@ -64,25 +81,35 @@ def onednn_supports(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W^T + b with W [out, in] packed once: in bf16 panels (panels_supported), else for
-    oneDNN; falls back to a contiguous W^T and addmm/matmul where neither is usable. One copy of
-    the weight either way. Immutable after construction."""
+    """y = x @ W^T + b with W [out, in] packed once: in bf16 panels (panels_supported), for
+    oneDNN, or both (AMX: panels up to `panel_max_rows` rows, oneDNN beyond); falls back to a
+    contiguous W^T and addmm/matmul where neither is usable. Immutable after construction."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
-        # [ceil(out / 64), ceil(in / 2), 64, 2] bf16, or None: see panels_supported.
-        self.panels = torch.ops.kvsentry.bf16_gemm_pack(weight) if panels_supported(weight) else None
-        self.onednn = self.panels is None and onednn_supports(weight)
+        panels = panels_supported(weight)
+        limit = panel_max_rows() if panels else 0
+        self.onednn = onednn_supports(weight) and limit is not None  # None: the panels serve every size
+        if panels and not self.onednn:
+            limit = None  # no oneDNN copy: the panels run every size
+        # Rows up to which a call runs through the panels (None: every size).
+        self.panel_max_rows: int | None = limit
+        # [ceil(out / 64), 16 ceil(in / 32), 64, 2] bf16, or None: see panels_supported.
+        self.panels = torch.ops.kvsentry.bf16_gemm_pack(weight) if panels and limit != 0 else None
         if self.onednn:
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif self.panels is None:
             self.weight_t = weight.t().contiguous()  # [in, out]: x @ W^T without a transpose per call
 
+    def uses_panels(self, rows: int) -> bool:
+        """Whether a call on `rows` rows runs through the panels (else oneDNN or the fallback)."""
+        return self.panels is not None and (self.panel_max_rows is None or rows <= self.panel_max_rows)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.panels is not None:
+        if self.uses_panels(x.numel() // self.in_features):
             out = torch.ops.kvsentry.bf16_gemm(x.reshape(-1, self.in_features), self.panels, self.bias,
                                                self.out_features)
             return out.view(*x.shape[:-1], self.out_features)

@@ -39,15 +39,26 @@ class FusedLayerStack:
         self.scale = first.scale
         self.eps = layers[0].input_layernorm.eps
         self.cos, self.sin = first.rotary.cos, first.rotary.sin
-        self.weights: list[torch.Tensor] = []  # norms, and the linears' bf16 panels or oneDNN weights
+        # Norms and the linears' weights for steps of more than `panel_rows` tokens (oneDNN's
+        # where there is one, else the bf16 panels), and for steps of up to `panel_rows` tokens
+        # (the panels where there are any): PackedLinear.uses_panels' choice, made per step.
+        self.weights: list[torch.Tensor] = []
+        self.panel_weights: list[torch.Tensor] = []
+        # One limit for all (cpu_gemm.AMX_PANEL_MAX_ROWS); None: no linear holds both copies.
+        limits = {linear.panel_max_rows for layer in layers for linear in _linears(layer)
+                  if linear.panels is not None and linear.onednn}
+        assert len(limits) <= 1, limits
+        self.panel_rows: int | None = limits.pop() if limits else None
         self.biases: list[torch.Tensor | None] = []
         self.out_features: list[int] = []
         self.qk_norms: list[torch.Tensor] = []
         for layer in layers:
             attn, linears = layer.self_attn, _linears(layer)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            packed = [linear.panels if linear.panels is not None else linear.weight for linear in linears]
-            self.weights += [norms[0], packed[0], packed[1], norms[1], packed[2], packed[3]]
+            large = [linear.weight if linear.onednn else linear.panels for linear in linears]
+            small = [linear.panels if linear.panels is not None else linear.weight for linear in linears]
+            self.weights += [norms[0], large[0], large[1], norms[1], large[2], large[3]]
+            self.panel_weights += [norms[0], small[0], small[1], norms[1], small[2], small[3]]
             self.biases += [linear.bias for linear in linears]
             self.out_features += [linear.out_features for linear in linears]
             if attn.qk_norm:
@@ -103,8 +114,10 @@ class FusedLayerStack:
         decode = meta.decode_plan(block_size, hidden.device) if decodes else None
         slots = ctx.write_guard.check(meta.slot_mapping) if ctx.write_guard is not None else meta.slot_mapping
         first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None else (decodes, decodes)
+        tokens = hidden.shape[0]
+        small = self.panel_rows is None or tokens <= self.panel_rows
         return cpu_ops.dense_decoder_layers(
-            hidden, positions, self.weights, self.biases, self.out_features, self.qk_norms,
+            hidden, positions, self.panel_weights if small else self.weights, self.biases, self.out_features, self.qk_norms,
             [kv[0] for kv in ctx.kv_caches], [kv[1] for kv in ctx.kv_caches], self.cos, self.sin,
             slots, ctx.null_block_writes,
             meta.block_tables if decode is not None else None, meta.seq_lens if decode is not None else None,

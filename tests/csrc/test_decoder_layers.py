@@ -14,6 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.messages import EngineRequest
+from engine.models import cpu_gemm
 from engine.ops import attention, cpu_ops
 from engine.sampling_params import SamplingParams
 
@@ -72,12 +73,9 @@ def mixed_plan(vocab: int) -> list:
             ("step", 3), ("add", ("e", prompt(17), 8)), ("step", 4), ("dummy", 3), ("step", 20)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_fused_stack_equals_the_layer_loop(kvsentry_ops, checkpoint, preset, dtype, monkeypatch):
-    """Llama, Qwen2 (q|k|v bias) and Qwen3 (per-head q/k norms), float32 and bf16: every
-    step's hidden states, the cache and the outputs are bitwise those of the loop."""
-    path = checkpoint(preset, num_hidden_layers=3)
+def assert_fused_equals_loop(path, dtype, monkeypatch) -> EngineCore:
+    """Runs mixed_plan through a fused and an enforce_eager engine: every step's hidden states,
+    the cache and the outputs must be bitwise equal. Returns the fused engine."""
     monkeypatch.setattr(attention, "PREFILL_KERNEL_MAX_LEN", 0)  # prompt "d" goes through SDPA: the loop
     fused, eager = engines(path, dtype)
     calls = []
@@ -95,6 +93,29 @@ def test_fused_stack_equals_the_layer_loop(kvsentry_ops, checkpoint, preset, dty
     assert torch.equal(fused.runner.kv_storage.view(torch.uint8), eager.runner.kv_storage.view(torch.uint8))
     assert out_fused == out_eager
     assert int(fused.runner.null_block_writes) == int(eager.runner.null_block_writes) == 0
+    return fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_fused_stack_equals_the_layer_loop(kvsentry_ops, checkpoint, preset, dtype, monkeypatch):
+    """Llama, Qwen2 (q|k|v bias) and Qwen3 (per-head q/k norms), float32 and bf16: every
+    step's hidden states, the cache and the outputs are bitwise those of the loop."""
+    assert_fused_equals_loop(checkpoint(preset, num_hidden_layers=3), dtype, monkeypatch)
+
+
+def test_both_weight_copies_pick_by_step_size_as_the_loop_does(kvsentry_ops, checkpoint, monkeypatch):
+    """Where the linears keep bf16 panels and oneDNN's weight (AMX CPUs: panels up to
+    cpu_gemm.AMX_PANEL_MAX_ROWS rows), the op takes the panels for steps of up to that many
+    tokens and oneDNN's weights beyond, as every PackedLinear call in the loop does: here with
+    the limit at 16 tokens, so that the plan's decode steps and its 17- and 40-token prompts
+    take both (on any CPU with the panels: bf16_gemm runs its best kernel)."""
+    if not kvsentry_ops.bf16_gemm_supported() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no bf16 panels or no oneDNN bf16 here: a linear holds one copy")
+    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda: 16)
+    fused = assert_fused_equals_loop(checkpoint("tiny-llama", num_hidden_layers=3), torch.bfloat16, monkeypatch)
+    stack = fused.runner.model.model.fused
+    assert stack.panel_rows == 16 and stack.weights[1].is_mkldnn and not stack.panel_weights[1].is_mkldnn
 
 
 def test_dummy_and_padded_rows_write_nothing(kvsentry_ops, checkpoint):

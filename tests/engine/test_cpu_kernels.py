@@ -78,3 +78,54 @@ def test_row_argmax_all_masked_row():
     logits = torch.full((2, 600), float("-inf"))
     logits[1, 599] = 0.0
     assert row_argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [0, 599]
+
+
+def _panels_and_onednn() -> bool:
+    from engine.models import cpu_gemm
+    weight = torch.zeros(64, 32, dtype=torch.bfloat16)
+    return cpu_gemm.panels_supported(weight) and cpu_gemm.onednn_supports(weight)
+
+
+def test_bf16_linear_with_both_copies_picks_by_rows(monkeypatch):
+    """Panels up to panel_max_rows rows, oneDNN's weight beyond: each bit for bit what that
+    kernel computes alone, both near F.linear. The limit is set here (AMX CPUs set
+    cpu_gemm.AMX_PANEL_MAX_ROWS) so that the policy runs on any CPU with the panels."""
+    from engine.models import cpu_gemm
+    if not _panels_and_onednn():
+        pytest.skip("no bf16 panels or no oneDNN bf16 here: a linear holds one copy")
+    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda: 8)
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(96, 80, generator=gen) * 0.2).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    packed = PackedLinear(weight, bias)
+    assert packed.onednn and packed.panels is not None and packed.panel_max_rows == 8
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    for rows in (1, 8, 9, 40):
+        x = torch.randn(rows, 80, generator=gen).bfloat16()
+        out = packed(x)
+        if rows <= 8:
+            assert packed.uses_panels(rows)
+            assert torch.equal(out, torch.ops.kvsentry.bf16_gemm(x, packed.panels, bias, 96))
+        else:
+            assert not packed.uses_panels(rows)
+            assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [None], ""))
+        torch.testing.assert_close(out.float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_panel_copies_follow_the_cpu_and_the_switch(monkeypatch):
+    """AMX CPUs keep both copies (panels up to AMX_PANEL_MAX_ROWS rows) unless
+    KVSENTRY_DISABLE_AMX_PANELS=1 (oneDNN alone); other CPUs with the panels keep them alone."""
+    from engine.models import cpu_gemm
+    if not _panels_and_onednn():
+        pytest.skip("no bf16 panels or no oneDNN bf16 here")
+    weight = torch.randn(64, 32).bfloat16()
+    amx = "amx" in torch.ops.kvsentry.bf16_gemm_kernels()
+    packed = PackedLinear(weight)
+    if amx:
+        assert packed.panels is not None and packed.onednn and packed.panel_max_rows == cpu_gemm.AMX_PANEL_MAX_ROWS
+        monkeypatch.setenv("KVSENTRY_DISABLE_AMX_PANELS", "1")
+        alone = PackedLinear(weight)
+        assert alone.panels is None and alone.onednn
+    else:
+        assert packed.panels is not None and not packed.onednn and packed.panel_max_rows is None
+        assert packed.uses_panels(4096)
