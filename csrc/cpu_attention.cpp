@@ -42,6 +42,9 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_amx.h"
+#include "cpu_attention_amx.h"
+
 namespace {
 
 using at::Tensor;
@@ -260,8 +263,10 @@ constexpr bool kTiles = false;
 bool cpu_has_bf16_dot() { return false; }
 #endif
 
-// Tests turn the bf16 dot product off to check the widening path on the same CPU.
+// Tests turn the bf16 dot product off to check the widening path on the same CPU, and the
+// AMX path (cpu_attention_amx.cpp) off to check the vector kernel's.
 std::atomic<bool> g_bf16_dot_enabled{true};
+std::atomic<bool> g_amx_enabled{true};
 
 // Ask for the next block's rows while this block computes: table order is arbitrary, so
 // the hardware prefetcher cannot guess it, and the kernel is otherwise memory-latency bound.
@@ -589,6 +594,12 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
                   "), got ", entry, " at [", b, ", ", j, "]");
     }
   }
+  if (g_amx_enabled.load(std::memory_order_relaxed) &&
+      kvsentry_amx::decode_attention_amx_fits(query, key_cache, value_cache)) {
+    kvsentry_amx::decode_attention_amx(out, query, key_cache, value_cache, block_tables, seq_lens, reads,
+                                       num_read_blocks, static_cast<float>(scale));
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     if (query.size(2) % 16 == 0 && query.size(2) <= kMaxWideDim && value_cache.size(3) % 16 == 0) {
       decode_attention<scalar_t, true>(out, query, key_cache, value_cache, block_tables, seq_lens, reads,
@@ -613,6 +624,13 @@ bool cpu_bf16_dot(std::optional<bool> enable) {
   return cpu_has_bf16_dot() && g_bf16_dot_enabled.load();
 }
 
+// Whether bf16 caches of the shapes it takes go through the AMX path (the CPU has AMX-BF16 and
+// it is not turned off); `enable` turns it on or off first.
+bool cpu_attention_amx(std::optional<bool> enable) {
+  if (enable.has_value()) g_amx_enabled.store(*enable);
+  return kvsentry_amx::supported() && g_amx_enabled.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
@@ -620,6 +638,7 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor? read_blocks, int num_read_blocks, float scale) -> ()");
   m.def("cpu_bf16_dot(bool? enable=None) -> bool", &cpu_bf16_dot);
+  m.def("cpu_attention_amx(bool? enable=None) -> bool", &cpu_attention_amx);
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention_cpu); }

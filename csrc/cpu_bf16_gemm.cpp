@@ -41,9 +41,9 @@
 #include <torch/library.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+
+#include "cpu_amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -114,45 +114,27 @@ using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, cons
                         int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// AMX: the kernel needs the CPU flags and the permission to use the tile data state (Linux
-// grants it per process on request; oneDNN makes the same request).
-bool amx_supported() {
-  static const bool has = [] {
-    if (!supported() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return has;
-}
+bool amx_supported() { return kvsentry_amx::supported(); }
 
-// Palette 1: tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B
-// (16 pairs x 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-
-  explicit TileConfig(int64_t m) {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = static_cast<uint8_t>(t < 5 ? m : kDepth);
-    }
-  }
-};
+// Tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B (16 pairs x
+// 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
+using kvsentry_amx::TileConfig;
+TileConfig tile_config(int64_t rows) { return TileConfig({rows, rows, rows, rows, rows, kDepth, kDepth, kDepth}); }
 
 constexpr int64_t kOutBytes = kPanel * 4;       // bytes per acc row: one panel's float32 outputs
 constexpr int64_t kPairBytes = 2 * kPanel * 2;  // bytes per pair of K in a panel
 constexpr int64_t kBlockBytes = kDepth * kPairBytes;
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead a streamed panel is asked for
 constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for more than 16 rows
 constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
 
 // C [rows, 64] (+)= x[:, blocks b0..b1) . panel for the rows the loaded config was made for,
 // starting from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`.
-__attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, int64_t x_bytes,
-                                                           const uint16_t* panel, int64_t b0, int64_t b1,
-                                                           bool first, float* acc) {
+// `stream`: the first block of rows over these blocks reads them from memory: the blocks
+// ahead are prefetched (the later blocks of rows find them in L1).
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_t* x, int64_t x_bytes,
+                                                                   const uint16_t* panel, int64_t b0, int64_t b1,
+                                                                   bool first, bool stream, float* acc) {
   if (first) {
     _tile_zero(0);
     _tile_zero(1);
@@ -167,6 +149,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
   const char* w = reinterpret_cast<const char*>(panel) + b0 * kBlockBytes;
   const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
   for (int64_t b = b0; b < b1; ++b, w += kBlockBytes, a += 4 * kDepth) {
+    if (stream) {  // the panel comes from memory once: ask for the blocks two ahead (4 KB each)
+      for (int64_t line = 0; line < kBlockBytes; line += 64) {
+        _mm_prefetch(w + kPrefetchBlocks * kBlockBytes + line, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, a, x_bytes);
     _tile_loadd(5, w, kPairBytes);
     _tile_dpbf16ps(0, 4, 5);
@@ -200,7 +187,7 @@ __attribute__((target("avx512f,avx512bf16"))) void amx_store(const float* acc, i
 
 // Loads the config for these rows unless it is the one loaded (ldtilecfg also zeroes the tiles).
 __attribute__((target("amx-tile"))) void configure(TileConfig& loaded, int64_t rows) {
-  const TileConfig want(rows);
+  const TileConfig want = tile_config(rows);
   if (std::memcmp(&want, &loaded, sizeof want) != 0) {
     loaded = want;
     _tile_loadconfig(&loaded);
@@ -220,7 +207,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
   std::vector<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
   float* acc = acc_rows.data();
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
-  TileConfig loaded(0);  // none yet: no config has 0 rows
+  TileConfig loaded = tile_config(0);  // none yet: no config has 0 rows
   for (int64_t r0 = 0; r0 < m; r0 += kAmxRowChunk) {
     const int64_t r1 = std::min(m, r0 + kAmxRowChunk);
     for (int64_t panel = begin; panel < end; ++panel) {
@@ -230,7 +217,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
         const int64_t b1 = std::min(blocks, b0 + chunk);
         for (int64_t r = r0; r < r1; r += kTileRows) {
           configure(loaded, std::min(kTileRows, r1 - r));
-          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, acc + (r - r0) * kPanel);
+          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, r == r0, acc + (r - r0) * kPanel);
         }
       }
       amx_store(acc, r1 - r0, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, std::min(kPanel, n - col));

@@ -287,9 +287,12 @@ def test_prefill_rows_match_sdpa(kvsentry_ops, monkeypatch, dtype):
 
 @pytest.fixture
 def bf16_dot(kvsentry_ops):
-    """Turns the AVX512-BF16 scores on or off for one test; restores the default after."""
+    """Turns the AVX512-BF16 scores on or off for one test, with the AMX path off so that the
+    vector kernel runs every shape; restores the defaults after."""
+    kvsentry_ops.cpu_attention_amx(False)
     yield kvsentry_ops.cpu_bf16_dot
     kvsentry_ops.cpu_bf16_dot(True)
+    kvsentry_ops.cpu_attention_amx(True)
 
 
 @pytest.mark.parametrize("use_dot", [True, False], ids=["bf16_dot", "widened"])
@@ -320,3 +323,78 @@ def test_bf16_dot_reports_the_cpu(kvsentry_ops, bf16_dot):
         pytest.skip("needs Linux's /proc/cpuinfo and an AVX-512 build")
     assert bf16_dot(None) == bool(re.search(r"\bavx512_bf16\b", cpuinfo.read_text()))
     assert bf16_dot(False) is False
+
+
+@pytest.fixture
+def amx(kvsentry_ops):
+    """The AMX path (csrc/cpu_attention_amx.cpp) on this CPU, restored on after the test;
+    skips where the CPU (or build) has no AMX-BF16."""
+    if not kvsentry_ops.cpu_attention_amx(True):
+        pytest.skip("no AMX-BF16 here: bf16 caches go through the vector kernel")
+    yield kvsentry_ops.cpu_attention_amx
+    kvsentry_ops.cpu_attention_amx(True)
+
+
+@pytest.mark.parametrize("heads, head_dim, v_dim, block_size, lens", [
+    ((9, 3), 64, 64, 16, None),              # the default model's shape
+    ((32, 8), 128, 128, 16, None),           # a Llama-8B-like group of 4, four query tiles
+    ((8, 1), 32, 32, 32, [77, 1, 31, 64]),   # 8 heads on one KV head, 2 score tiles per block
+    ((16, 1), 96, 64, 64, [130, 3, 64, 65]),  # a full 16-head tile, 3 query tiles, v_dim != head_dim
+    ((4, 4), 64, 32, 16, [33, 1, 16, 17]),   # MHA, v_dim 32: two value tiles
+])
+def test_amx_path_matches_reference_and_vector_kernel(kvsentry_ops, amx, heads, head_dim, v_dim, block_size, lens):
+    """The AMX path against the reference (bf16 tolerance) and against the vector kernel on the
+    same inputs: lengths inside a score tile, at a tile's edge, and a span that is not a whole
+    value tile (zero padded)."""
+    case = make_case(batch=len(lens) if lens else 6, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                     v_dim=v_dim, block_size=block_size, dtype=torch.bfloat16, num_blocks=300,
+                     max_len=max(lens) if lens else 150, lens=lens)
+    fast = run_kernel(kvsentry_ops, *case)
+    ref = run_reference(*case)
+    torch.testing.assert_close(fast.float(), ref.float(), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
+    amx(False)
+    vector = run_kernel(kvsentry_ops, *case)
+    torch.testing.assert_close(fast.float(), vector.float(), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_amx_path_spreads_null_block_nan_like_the_reference(kvsentry_ops, amx, where):
+    """The null block's NaN through the AMX path: a NaN value poisons exactly the rows that
+    read it with weight 0 (0 x NaN in the tile product), a NaN key is masked first."""
+    query, k, v, tables, lens, num_read = make_case(batch=5, max_len=160, lens=[160, 3, 17, 40, 159],
+                                                    head_dim=64, dtype=torch.bfloat16)
+    (v if where == "value" else k)[0, 2, 1, 0] = float("nan")
+    out, ref = run_kernel(kvsentry_ops, query, k, v, tables, lens, num_read), run_reference(
+        query, k, v, tables, lens, num_read)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out.isnan().flatten(1).any(dim=1).tolist() == (
+        [False, True, True, True, False] if where == "value" else [False] * 5)
+    torch.testing.assert_close(out.nan_to_num(0.0).float(), ref.nan_to_num(0.0).float(),
+                               rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
+
+
+def test_amx_path_grouped_reads_and_a_real_nan(kvsentry_ops, amx):
+    """Grouped reads (rows reading fewer entries than num_read) and a NaN key in a request's
+    own block: that request's heads on that KV head only."""
+    query, k, v, tables, lens, num_read = make_case(batch=8, max_len=300, num_blocks=200, dtype=torch.bfloat16,
+                                                    head_dim=64, lens=[300, 290, 150, 140, 60, 20, 5, 1])
+    plan = plan_decode_reads(lens.tolist(), 16, torch.device("cpu"))
+    out = run_kernel(kvsentry_ops, query, k, v, tables, lens, plan.num_read, plan=plan)
+    ref = run_reference(query, k, v, tables, lens, plan.num_read, plan=plan)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
+    k[int(tables[2, 0]), 0, 0, 0] = float("nan")  # request 2's first key, kv head 0: heads 0-1
+    out = run_kernel(kvsentry_ops, query, k, v, tables, lens, plan.num_read, plan=plan)
+    assert out[2, :2].isnan().all() and not out[2, 2:].isnan().any()
+    assert not torch.cat([out[:2], out[3:]]).isnan().any()
+
+
+def test_amx_path_reports_the_cpu(kvsentry_ops):
+    """On exactly where the CPU has AMX-BF16 (AVX-512 build); off when turned off."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or cpu_ops_capability() != "AVX512":
+        pytest.skip("needs Linux's /proc/cpuinfo and an AVX-512 build")
+    try:
+        assert kvsentry_ops.cpu_attention_amx(None) == bool(re.search(r"\bamx_bf16\b", cpuinfo.read_text()))
+        assert kvsentry_ops.cpu_attention_amx(False) is False
+    finally:
+        kvsentry_ops.cpu_attention_amx(True)

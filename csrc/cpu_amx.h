@@ -1,0 +1,49 @@
+// What the AMX kernels (cpu_bf16_gemm.cpp, cpu_attention_amx.cpp) share: whether this CPU and
+// process may use AMX-BF16, and the tile configuration they load.
+#pragma once
+
+#include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace kvsentry_amx {
+
+#if defined(__AVX512F__)
+// The CPU flags, and the permission to use the tile data state: Linux grants it per process on
+// request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN makes the same request.
+inline bool supported() {
+  static const bool has = [] {
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16") ||
+        !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
+}
+#else
+inline bool supported() { return false; }  // builds capped below AVX-512 leave AMX to oneDNN
+#endif
+
+// Palette 1, every tile 64 bytes wide; rows[t] rows in tile t.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  TileConfig() = default;
+  explicit TileConfig(const int64_t (&tile_rows)[8]) {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = static_cast<uint8_t>(tile_rows[t]);
+    }
+  }
+};
+
+}  // namespace kvsentry_amx

@@ -1,0 +1,20 @@
+// The AMX path of paged_decode_attention (cpu_attention_amx.cpp), called from cpu_attention.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace kvsentry_amx {
+
+// Whether the AMX path takes these tensors: a bf16 cache, head_dim a multiple of 32 up to 128,
+// v_dim a multiple of 32, at most 16 query heads per KV head, blocks of a multiple of 16
+// tokens, and a CPU (and build) with AMX-BF16.
+bool decode_attention_amx_fits(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+// paged_decode_attention's contract, arguments checked by the caller.
+void decode_attention_amx(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const int32_t* read_blocks, int64_t num_read, float scale);
+
+}  // namespace kvsentry_amx
