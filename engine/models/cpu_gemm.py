@@ -26,8 +26,6 @@ one Xeon core, the default model's 30 layers: 1.29x oneDNN at 1-8 rows, 1.22x at
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine import envs
@@ -36,18 +34,6 @@ from engine.ops import cpu_ops
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the AMX panels run a bf16 linear where oneDNN is there too (see above).
 AMX_PANEL_MAX_ROWS = 64
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def panels_supported(weight: torch.Tensor) -> bool:
@@ -63,7 +49,7 @@ def panel_max_rows() -> int | None:
     """The most rows a bf16 linear sends to its panels when oneDNN holds a copy too:
     AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere;
     0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone."""
-    if "amx_bf16" not in _cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+    if "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
         return None
     return 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
 

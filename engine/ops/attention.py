@@ -218,9 +218,12 @@ def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
 # SDPA (torch's flash kernel, each query tile sharing the K/V tiles). On a 1-core Zen 5, default
 # model, bf16, whole prefill steps: 8 x 128 tokens 526 ms (kernel) vs 660 ms (SDPA: 0.5 ms per
 # 128-token causal call), 1 x 1000 940 vs 1022 ms, 1 x 2000 2949 vs 2699 ms (the prefix's K/V
-# outgrow L2); float32 4 x 256 1003 vs 1090 ms.
+# outgrow L2); float32 4 x 256 1003 vs 1090 ms. On CPUs with AMX, SDPA wins from the shortest
+# chunk it takes: 1-core Xeon, default model, bf16 whole prefill steps 8 x 128 tokens 457 vs 490
+# ms, 4 x 512 1221 vs 1648, 1 x 1000 610 vs 1051 (the kernel's rows on AMX tiles); float32
+# within 4% up to 512 tokens, 2 x 1000 4134 vs 4957 ms.
 PREFILL_SDPA_MIN_TOKENS = 64
-PREFILL_KERNEL_MAX_LEN = 1024
+PREFILL_KERNEL_MAX_LEN = 0 if "amx_bf16" in cpu_ops.cpu_flags() else 1024
 
 
 def prefill_in_kernel(meta: AttentionMetadata) -> bool:

@@ -26,6 +26,20 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where that is not readable: the kernels
+    and their callers pick paths by them (amx_bf16, avx512_bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
 def _build_ok() -> bool:
     started = time.monotonic()
     try:
@@ -63,6 +77,13 @@ def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
                            scale: float) -> None:
     torch.ops.kvsentry.paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                               read_blocks, num_read_blocks, scale)
+
+
+def row_argmax(logits: torch.Tensor,  # [n, vocab] float32 or bf16, a contiguous last dim
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64 tokens, [n] bool finite
+    """torch.argmax(logits, -1) exactly (first maximum; a row's first NaN wins), and whether
+    each row holds no NaN and no infinity: one pass in the logits' own dtype (csrc/cpu_argmax.cpp)."""
+    return torch.ops.kvsentry.row_argmax(logits)
 
 
 def dense_decoder_layers(*args) -> torch.Tensor:

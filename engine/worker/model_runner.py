@@ -81,12 +81,10 @@ class ModelRunner:
         sample_rows = [i for i, idx in enumerate(batch.logits_indices) if idx >= 0]
         if sample_rows:
             index = torch.tensor([batch.logits_indices[i] for i in sample_rows], device=hidden.device)
-            # [num_sampling, vocab] float32: the sampler works in float32; converted once, here.
-            logits = self.model.compute_logits(hidden.index_select(0, index)).float()
-            # One reduction per row: a NaN or Inf anywhere makes the row's sum non-finite.
-            finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampling, vocab]
             to_sample = [requests[i] for i in sample_rows]
-            tokens, logprobs = self.sampler.sample(logits, to_sample)
+            # Tokens, logprobs, and per row whether the logits are all finite (the sentinel's check).
+            tokens, logprobs, finite = self.sampler.sample_step(logits, to_sample)
             for request, token, lp, ok in zip(to_sample, tokens, logprobs, finite):
                 out.sampled[request.key] = token
                 if lp is not None:
