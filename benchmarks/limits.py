@@ -21,7 +21,6 @@ import torch
 from common import bench_checkpoint, best, prompt_token_range, random_prompts
 
 
-
 def memory_bandwidth() -> float:  # bytes/s
     x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB: far past the last-level cache
     return x.numel() * 4 / best(lambda: x.sum())

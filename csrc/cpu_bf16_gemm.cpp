@@ -114,8 +114,6 @@ using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, cons
                         int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-bool amx_supported() { return kvsentry_amx::supported(); }
-
 // Tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B (16 pairs x
 // 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
 using kvsentry_amx::TileConfig;
@@ -235,7 +233,6 @@ void amx_gemm(const uint16_t* xp, int64_t xs, const uint16_t* wp, int64_t panels
 }
 #else
 bool supported() { return false; }
-bool amx_supported() { return false; }
 #endif
 
 Tensor pack(const Tensor& weight) {
@@ -265,7 +262,7 @@ enum class Kernel { kAmx, kAvx512Bf16 };
 
 Kernel kernel_named(const std::string& name) {
   if (name == "amx") {
-    TORCH_CHECK(amx_supported(), kOp, ": this CPU (or build) has no AMX-BF16");
+    TORCH_CHECK(kvsentry_amx::supported(), kOp, ": this CPU (or build) has no AMX-BF16");
     return Kernel::kAmx;
   }
   TORCH_CHECK(name == "avx512_bf16", kOp, ": unknown kernel '", name, "' (amx or avx512_bf16)");
@@ -328,7 +325,7 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
 // The best kernel this CPU runs: AMX where there is AMX, else vdpbf16ps.
 Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {
   TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX512-BF16");
-  return run(x, packed, bias, n, amx_supported() ? Kernel::kAmx : Kernel::kAvx512Bf16);
+  return run(x, packed, bias, n, kvsentry_amx::supported() ? Kernel::kAmx : Kernel::kAvx512Bf16);
 }
 
 Tensor gemm_with(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n,
@@ -340,7 +337,7 @@ bool gemm_supported() { return supported(); }
 
 std::vector<std::string> gemm_kernels() {
   std::vector<std::string> kernels;
-  if (amx_supported()) kernels.emplace_back("amx");
+  if (kvsentry_amx::supported()) kernels.emplace_back("amx");
   if (supported()) kernels.emplace_back("avx512_bf16");
   return kernels;
 }
