@@ -23,10 +23,11 @@
 // On CPUs with AMX (Intel Sapphire Rapids and later) the same panels are AMX B tiles as they
 // lie: 16 pairs of K by 16 outputs, rows 256 bytes apart. Four C tiles hold 16 rows x 64
 // outputs; each block of 32 K loads one A tile of x and the panel's four B tiles in address
-// order, so the weight is still one contiguous stream. On a 1-core Xeon with AMX, oneDNN's AMX
-// kernels read a decode step's weights at ~60% of the memory bandwidth (9.8 of 16.6 GB/s) and
-// these tiles at ~76% up to 16 rows; from ~128 rows oneDNN's blocking is faster (1.2 vs 0.8
-// TFLOP/s at 1024 rows), so engine/models/cpu_gemm.py keeps oneDNN for those (AMX_MAX_ROWS).
+// order, so the weight is still one contiguous stream (prefetched two blocks ahead). On a
+// 1-core Xeon with AMX, oneDNN's AMX kernels read a decode step's weights at ~50-60% of the
+// memory bandwidth and these tiles 1.43x faster at 1 row, 1.37x at 8, 1.12x at 64; from ~128
+// rows oneDNN's blocking is faster (1.1 vs 0.6 TFLOP/s at 1024 rows), so
+// engine/models/cpu_gemm.py keeps oneDNN for those (AMX_PANEL_MAX_ROWS).
 //
 // Numerics: vdpbf16ps multiplies bf16 pairs exactly and adds in float32 (denormal inputs and
 // results read as zero, round to nearest even), summing K in order two at a time; the bias is

@@ -21,8 +21,9 @@ default model's 30 layers on one Zen 5 core (benchmarks/bf16_gemm.py), 1.36x one
 bfloat16 on CPUs with AMX (Intel Sapphire Rapids and later): the same panels through AMX tiles
 for steps of up to AMX_PANEL_MAX_ROWS rows, oneDNN's AMX kernels beyond, so both copies are
 kept (the linears' bf16 weights twice; KVSENTRY_DISABLE_AMX_PANELS=1 keeps oneDNN's alone). On
-one Xeon core, the default model's 30 layers: 1.29x oneDNN at 1-8 rows, 1.22x at 32, 1.03x at
-64, but 0.87x at 128 and 0.62x at 1024 rows, where oneDNN's blocking reaches 1.2 TFLOP/s.
+one Xeon core, the default model's 30 layers: 1.43x oneDNN at 1 row, 1.37x at 8, 1.19x at 32,
+1.12x at 64, but 0.88x at 128 and 0.55x at 1024 rows, where oneDNN's blocking reaches 1.1-1.2
+TFLOP/s.
 """
 from __future__ import annotations
 
