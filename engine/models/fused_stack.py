@@ -114,10 +114,10 @@ class FusedLayerStack:
         decode = meta.decode_plan(block_size, hidden.device) if decodes else None
         slots = ctx.write_guard.check(meta.slot_mapping) if ctx.write_guard is not None else meta.slot_mapping
         first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None else (decodes, decodes)
-        tokens = hidden.shape[0]
-        small = self.panel_rows is None or tokens <= self.panel_rows
+        small = self.panel_rows is None or hidden.shape[0] <= self.panel_rows  # the step's tokens
         return cpu_ops.dense_decoder_layers(
-            hidden, positions, self.panel_weights if small else self.weights, self.biases, self.out_features, self.qk_norms,
+            hidden, positions, self.panel_weights if small else self.weights, self.biases, self.out_features,
+            self.qk_norms,
             [kv[0] for kv in ctx.kv_caches], [kv[1] for kv in ctx.kv_caches], self.cos, self.sin,
             slots, ctx.null_block_writes,
             meta.block_tables if decode is not None else None, meta.seq_lens if decode is not None else None,
