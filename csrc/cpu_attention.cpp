@@ -44,6 +44,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_attention_amx.h"
+#include "cpu_fast_exp.h"
 
 namespace {
 
@@ -66,29 +67,6 @@ inline float dot(const float* a, const scalar_t* b, int64_t n) {
   for (; d < n; ++d) s += a[d] * static_cast<float>(b[d]);
   for (int i = 0; i < 16; ++i) s += partial[i];
   return s;
-}
-
-// exp(x) for the softmax, in a form the compiler vectorises (std::exp is a scalar libm
-// call per element and was most of the kernel's time): x = n ln2 + r, |r| <= ln2/2,
-// exp(r) by a degree-6 Taylor polynomial (relative error < 2e-7 on that interval),
-// 2^n through the exponent bits. Exact 0 below the float range (so a masked -inf
-// score gets weight exactly 0) and NaN in, NaN out.
-inline float fast_exp(float x) {
-  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  // Round to nearest by the 1.5 * 2^23 trick (exact for |n| < 2^22; -ffast-math would break it).
-  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  union { float f; int32_t i; } scale;
-  scale.i = (static_cast<int32_t>(n) + 127) << 23;
-  const float e = p * scale.f;
-  return x != x ? x : (x < -87.0f ? 0.f : e);
 }
 
 inline float sum(const float* x, int64_t n) {
@@ -453,7 +431,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       }
       for (int64_t g = 0; g < group; ++g) {
         float* p = &probs[g * span];
-        for (int64_t pos = 0; pos < row_span; ++pos) p[pos] = fast_exp(p[pos] - top[g]);
+        for (int64_t pos = 0; pos < row_span; ++pos) p[pos] = kvsentry_math::fast_exp(p[pos] - top[g]);
         const float total = sum(p, row_span);
         for (int64_t pos = 0; pos < row_span; ++pos) p[pos] /= total;
       }

@@ -35,15 +35,19 @@
 
 #include "cpu_amx.h"
 #include "cpu_attention_amx.h"
+#include "cpu_fast_exp.h"
 
 namespace kvsentry_amx {
+
+namespace {
+constexpr int64_t kMaxDimBlocks = 4;  // head_dim <= 128: the query's tiles stay loaded (tiles 2-5)
+}  // namespace
 
 #if defined(__AVX512F__)
 namespace {
 
 constexpr int64_t kTile = 16;       // keys per score tile, heads per tile, dims per value tile
 constexpr int64_t kPairs = 16;      // pairs of the reduced dimension per B tile (32 values)
-constexpr int64_t kMaxDimBlocks = 4;  // head_dim <= 128: the query's tiles stay loaded (tiles 2-5)
 
 // S^T for 16 keys (and, when k1 is set, 16 more): C tile 0 (6) = the A tile 1 (7) of K rows
 // [k, k + 16 ks1) . the Q^T tiles 2..(1 + blocks); stored to cs [16 keys][16 heads] float32
@@ -53,28 +57,20 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void score_tiles(const c10::
                                                                     int64_t blocks, float* c0, float* c1) {
   _tile_zero(0);
   _tile_zero(6);
-  _tile_loadd(1, k0, k_bytes);
-  if (k1 != nullptr) _tile_loadd(7, k1, k_bytes);
-  _tile_dpbf16ps(0, 1, 2);
-  if (k1 != nullptr) _tile_dpbf16ps(6, 7, 2);
-  if (blocks > 1) {
-    _tile_loadd(1, k0 + 32, k_bytes);
-    if (k1 != nullptr) _tile_loadd(7, k1 + 32, k_bytes);
-    _tile_dpbf16ps(0, 1, 3);
-    if (k1 != nullptr) _tile_dpbf16ps(6, 7, 3);
+  // Dims [32 b, 32 b + 32) of both key tiles against the query tile q = 2 + b. A macro, not a
+  // loop: AMX instructions take their tile numbers as literals (the intrinsics paste them).
+#define KVS_SCORE_BLOCK(b, q)                                         \
+  if (blocks > (b)) {                                                 \
+    _tile_loadd(1, k0 + 32 * (b), k_bytes);                           \
+    if (k1 != nullptr) _tile_loadd(7, k1 + 32 * (b), k_bytes);        \
+    _tile_dpbf16ps(0, 1, q);                                          \
+    if (k1 != nullptr) _tile_dpbf16ps(6, 7, q);                       \
   }
-  if (blocks > 2) {
-    _tile_loadd(1, k0 + 64, k_bytes);
-    if (k1 != nullptr) _tile_loadd(7, k1 + 64, k_bytes);
-    _tile_dpbf16ps(0, 1, 4);
-    if (k1 != nullptr) _tile_dpbf16ps(6, 7, 4);
-  }
-  if (blocks > 3) {
-    _tile_loadd(1, k0 + 96, k_bytes);
-    if (k1 != nullptr) _tile_loadd(7, k1 + 96, k_bytes);
-    _tile_dpbf16ps(0, 1, 5);
-    if (k1 != nullptr) _tile_dpbf16ps(6, 7, 5);
-  }
+  KVS_SCORE_BLOCK(0, 2)
+  KVS_SCORE_BLOCK(1, 3)
+  KVS_SCORE_BLOCK(2, 4)
+  KVS_SCORE_BLOCK(3, 5)
+#undef KVS_SCORE_BLOCK
   _tile_stored(0, c0, kTile * 4);
   if (k1 != nullptr) _tile_stored(6, c1, kTile * 4);
 }
@@ -120,28 +116,6 @@ __attribute__((target("amx-tile"))) inline void load_query_tiles(const uint32_t*
   if (blocks > 1) _tile_loadd(3, qt + kPairs * kTile, kTile * 4);
   if (blocks > 2) _tile_loadd(4, qt + 2 * kPairs * kTile, kTile * 4);
   if (blocks > 3) _tile_loadd(5, qt + 3 * kPairs * kTile, kTile * 4);
-}
-
-// exp for the softmax: the vector kernel's (cpu_attention.cpp, fast_exp), 16 lanes at once.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 magic = _mm512_set1_ps(12582912.f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)), magic),
-                                 magic);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(clamped, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(static_cast<__mmask16>(~under), e), nan, x);
 }
 
 // Ask for a block's rows of one head ahead of use: table order is arbitrary, so the hardware
@@ -245,13 +219,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
     // zero from the span to the whole value tile.
     for (int64_t g = 0; g < a.group; ++g) {
       float* pr = &probs[g * span32];
-      const __m512 top_v = _mm512_set1_ps(top[g]);
       __m512 total_v = _mm512_setzero_ps();
-      for (int64_t pos = 0; pos < row_span; pos += kTile) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + pos), top_v));
-        _mm512_storeu_ps(pr + pos, e);
-        total_v = _mm512_add_ps(total_v, e);
-      }
+      for (int64_t pos = 0; pos < row_span; ++pos) pr[pos] = kvsentry_math::fast_exp(pr[pos] - top[g]);
+      for (int64_t pos = 0; pos < row_span; pos += kTile) total_v = _mm512_add_ps(total_v, _mm512_loadu_ps(pr + pos));
       const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(total_v));
       uint16_t* prow = &p[g * span32];
       for (int64_t pos = 0; pos < row_span; pos += kTile) {
@@ -301,7 +271,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
 bool decode_attention_amx_fits(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
   const int64_t group = query.size(1) / key_cache.size(2);
   return supported() && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
-         query.size(2) <= 32 * 4 && value_cache.size(3) % 32 == 0 && group <= 16 && key_cache.size(1) % 16 == 0;
+         query.size(2) <= 32 * kMaxDimBlocks && value_cache.size(3) % 32 == 0 && group <= 16 && key_cache.size(1) % 16 == 0;
 }
 
 void decode_attention_amx(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

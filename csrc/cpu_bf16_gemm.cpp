@@ -71,6 +71,17 @@ bool supported() {
   return has;
 }
 
+// Output chunk j (16 columns) of a panel with `width` valid outputs: the store mask and the
+// bias (0 without one); false when the chunk lies past the width. Both kernels' epilogues.
+__attribute__((target("avx512f"))) inline bool output_chunk(int j, int64_t width, const float* bias,
+                                                            __mmask16& mask, __m512& b) {
+  const int64_t left = width - 16 * j;
+  if (left <= 0) return false;
+  mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+  return true;
+}
+
 // acc[r][j] += x[r, 2p : 2p + 2] . w[p][16 j : 16 j + 16] for p in [0, pairs): R rows of x
 // (row stride xs, in 32-bit pairs) against one panel; out rows of stride ys, `width` valid outputs.
 template <int R>
@@ -100,10 +111,9 @@ __attribute__((target("avx512f,avx512bf16"))) void tile(const uint32_t* x, int64
     }
   }
   for (int j = 0; j < 4; ++j) {
-    const int64_t left = width - 16 * j;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    __mmask16 mask;
+    __m512 b;
+    if (!output_chunk(j, width, bias, mask, b)) break;
     for (int r = 0; r < R; ++r) {
       const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
       _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)out);
@@ -173,10 +183,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_
 __attribute__((target("avx512f,avx512bf16"))) void amx_store(const float* acc, int64_t rows, const float* bias,
                                                              uint16_t* y, int64_t ys, int64_t width) {
   for (int j = 0; j < 4; ++j) {
-    const int64_t left = width - 16 * j;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 bj = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    __mmask16 mask;
+    __m512 bj;
+    if (!output_chunk(j, width, bias, mask, bj)) break;
     for (int64_t r = 0; r < rows; ++r) {
       const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * kPanel + 16 * j), bj));
       _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)out);

@@ -84,8 +84,7 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n] int64
     1.7 ms for 32 x 32000, while amax is vectorised: take each block's max, pick the first best
     block, and argmax only inside it)."""
     num, vocab = logits.shape
-    if (num and vocab and logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES
-            and logits.stride(-1) == 1 and cpu_ops.available()):
+    if _argmax_kernel_takes(logits):
         return cpu_ops.row_argmax(logits)[0]
     main = vocab - vocab % _ARGMAX_BLOCK
     if num == 0 or main == 0 or logits.device.type != "cpu":
@@ -99,6 +98,13 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n] int64
     tail = logits[:, main:].argmax(dim=-1) + main                            # vocab % block tokens
     pick_tail = torch.stack([logits[rows, best], logits[rows, tail]], dim=1).argmax(dim=-1) == 1
     return torch.where(pick_tail, tail, best)
+
+
+def _argmax_kernel_takes(logits: torch.Tensor) -> bool:
+    """Whether csrc's row_argmax reads these [n, vocab] logits: non-empty CPU float32 or bf16
+    rows with a contiguous last dim, and the kernels built."""
+    return (logits.numel() > 0 and logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES
+            and logits.stride(-1) == 1 and cpu_ops.available())
 
 
 def _plain_greedy(request: Request) -> bool:
@@ -120,11 +126,9 @@ class Sampler:
         CPU takes one pass of csrc's row_argmax over the logits as they are (no float copy, no
         separate finiteness reduction); any other batch is converted to float32 once, checked
         by a row sum (a NaN or Inf anywhere makes it non-finite) and sampled."""
-        num, vocab = logits.shape
-        if (num and vocab and logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES
-                and logits.stride(-1) == 1 and all(_plain_greedy(r) for r in requests) and cpu_ops.available()):
+        if _argmax_kernel_takes(logits) and all(_plain_greedy(r) for r in requests):
             tokens, finite = cpu_ops.row_argmax(logits)
-            return tokens.tolist(), [None] * num, finite.tolist()
+            return tokens.tolist(), [None] * len(requests), finite.tolist()
         logits = logits.float()
         finite = torch.isfinite(logits.sum(dim=-1)).tolist()
         tokens, logprobs = self.sample(logits, requests)
