@@ -82,7 +82,11 @@ ENGINE_ARGS = (
               "the experts as real traffic does, instead of token 0 everywhere", group="data parallel"),
     EngineArg("nan_sentinel", "what the KV cache scan covers each step", group="NaN sentinel",
               choices=NAN_SENTINEL_MODES),
-    EngineArg("nan_scan_blocks_per_step", "blocks the rolling scan checks per step", group="NaN sentinel"),
+    EngineArg("nan_scan_budget", "rolling mode: share of wall time the sweep may spend scanning (0: a fixed "
+              "--nan-scan-blocks-per-step window every step); the null block is scanned every step besides",
+              group="NaN sentinel"),
+    EngineArg("nan_scan_blocks_per_step", "blocks the rolling scan checks per step (the most, under a budget)",
+              group="NaN sentinel"),
     EngineArg("nan_scan_written_blocks", "rolling mode: also scan every block the step wrote", group="NaN sentinel"),
     EngineArg("nan_policy", "on NaN/Inf in the cache: only count it, heal the block and fail the requests "
               "reading it, or fail and mark the server not ready", group="NaN sentinel", choices=NAN_POLICIES),

@@ -28,3 +28,14 @@ def nonfinite_counts(words: torch.Tensor, block_ids: torch.Tensor, dtype: torch.
     if words.device.type == "cpu" and dtype in KINDS and cpu_ops.available():
         return torch.ops.kvsentry.kv_block_nonfinite(words, block_ids, KINDS[dtype])
     return nonfinite_counts_reference(words, block_ids, dtype)
+
+
+def nonfinite_counts_into(words: torch.Tensor, block_ids: list[int], dtype: torch.dtype,
+                          out: torch.Tensor,  # [>= len(block_ids), num_layers] int64, contiguous: rows 0..n-1 written
+                          ) -> int:           # their sum: 0 on a clean scan
+    """nonfinite_counts for the sentinel's per step call: one dispatch, no allocation on CPU."""
+    if words.device.type == "cpu" and dtype in KINDS and cpu_ops.available():
+        return torch.ops.kvsentry.kv_block_nonfinite_into(words, block_ids, KINDS[dtype], out)
+    counts = nonfinite_counts_reference(words, torch.tensor(block_ids, dtype=torch.int64, device=words.device), dtype)
+    out[:len(block_ids)] = counts
+    return int(counts.sum())

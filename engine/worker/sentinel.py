@@ -1,10 +1,12 @@
 """The NaN sentinel: finds non-finite values in a rank's KV cache.
 
 Every step it checks the null block (block 0) of every layer -- small, and it
-must stay zero -- plus, in rolling mode, the blocks the step wrote and the next
-`nan_scan_blocks_per_step` blocks of a sweep over the whole pool, so every
-block is seen at least once every `coverage_steps` steps. `full` scans every
-block every step. Scans are tensor reductions on the cache's own device,
+must stay zero -- plus, in rolling mode, the next blocks of a sweep over the
+whole pool (and, with `nan_scan_written_blocks`, the blocks the step wrote), so
+every block is seen at least once every `coverage_steps` steps. The sweep's
+window is what `nan_scan_budget` (a share of wall time) pays for, up to
+`nan_scan_blocks_per_step` blocks; with a budget of 0, exactly that many.
+`full` scans every block every step. Scans are tensor reductions on the cache's own device,
 reduced to one count per (layer, block); Python only sees the few blocks that
 are poisoned.
 """
@@ -20,9 +22,9 @@ from engine.config import EngineConfig
 from engine.paging import FIRST_USABLE_BLOCK_ID, NULL_BLOCK_ID, blocks_written
 from engine.ops import cpu_ops
 from engine.ops.checksum import block_words
-from engine.ops.nonfinite import KINDS, nonfinite_counts
+from engine.ops.nonfinite import KINDS, nonfinite_counts_into
 from engine.worker.kv_cache import block_axis
-from engine.worker.sweep import RollingSweep
+from engine.worker.sweep import RollingSweep, ScanBudget
 
 
 class NaNSentinel:
@@ -37,10 +39,14 @@ class NaNSentinel:
         self.dtype = storage.dtype
         self.num_blocks = config.num_blocks
         self.num_layers = config.model.num_layers
-        self.sweep = RollingSweep(self.num_blocks, config.nan_scan_blocks_per_step)
+        budget = ScanBudget(config.nan_scan_budget, config.nan_scan_blocks_per_step) if config.nan_scan_budget > 0 else None
+        self.sweep = RollingSweep(self.num_blocks, config.nan_scan_blocks_per_step, budget)
         self.scan_written = config.nan_scan_written_blocks
         # Non-finite values per (layer, block) as of the last time the block was scanned.
         self.counts = torch.zeros(self.num_layers, self.num_blocks, dtype=torch.int64)
+        # The kernel's outputs, one per group of _targets, reused: [blocks, num_layers] int64 each.
+        self._outs: list[torch.Tensor] = []
+        self._window = 0  # blocks in this step's sweep window
         self.any_counted = False
         self.detections = {"null_block": 0, "allocated": 0}
         self.scan_seconds: list[float] = []
@@ -76,16 +82,17 @@ class NaNSentinel:
             return None
         return (~torch.isfinite(blocks)).sum(dim=inner).t().cpu()
 
-    def _targets(self, written_slots: torch.Tensor | None, block_size: int) -> list[list[int]]:
-        """This step's groups of block ids: the null block, the sweep window, written blocks."""
+    def _targets(self, written_slots: torch.Tensor | None, block_size: int, now: float) -> list[list[int]]:
+        """This step's groups of block ids: the null block, the sweep window (self._window
+        blocks, the second group when any), written blocks."""
+        self._window = 0
         if self.mode == "full":
             return [list(range(self.num_blocks))]
         groups = [[NULL_BLOCK_ID]]
         if self.mode == "rolling":
-            window = self.sweep.next_window()
-            if window.start == FIRST_USABLE_BLOCK_ID:  # contiguous with the null block: one slice
-                groups = [[NULL_BLOCK_ID, *window]]
-            else:
+            window = self.sweep.next_window(now)
+            self._window = len(window)
+            if window:
                 groups.append(list(window))
             if self.scan_written and written_slots is not None and written_slots.numel():
                 seen = {b for g in groups for b in g}
@@ -93,6 +100,21 @@ class NaNSentinel:
                 if written:
                     groups.append(sorted(written))
         return groups
+
+    def _kernel_scan(self, groups: list[list[int]]) -> tuple[int, float | None]:
+        """Each group's counts into its reused output (self._outs[i][:len(group)]); returns the
+        non-finite total and the sweep window's own scan time (None without a window)."""
+        found, window_seconds = 0, None
+        for i, group in enumerate(groups):
+            if i == len(self._outs):
+                self._outs.append(torch.zeros(0, self.num_layers, dtype=torch.int64))
+            if len(group) > self._outs[i].shape[0]:
+                self._outs[i] = torch.zeros(len(group), self.num_layers, dtype=torch.int64)
+            start = time.perf_counter()
+            found += nonfinite_counts_into(self.words, group, self.dtype, self._outs[i])
+            if i == 1 and self._window:
+                window_seconds = time.perf_counter() - start
+        return found, window_seconds
 
     def _group_blocks(self, ids: list[int]) -> torch.Tensor:  # [n, num_layers, ...]
         if ids[-1] - ids[0] + 1 == len(ids):
@@ -109,13 +131,16 @@ class NaNSentinel:
         if not self.enabled:
             return []
         start = time.perf_counter()
-        groups = self._targets(written_slots, block_size)
+        groups = self._targets(written_slots, block_size, start)
         poisoned: list[int] = []
         ids = [b for g in groups for b in g]
         counts = None
+        window_seconds = None
         if self.uses_kernel:  # exact counts in one pass over the raw words: no float copy of the window
-            counts = nonfinite_counts(self.words, torch.tensor(ids, dtype=torch.int64), self.dtype).t().cpu()
-            dirty = self.any_counted or bool(counts.any())
+            found, window_seconds = self._kernel_scan(groups)
+            dirty = self.any_counted or found > 0
+            if dirty:
+                counts = torch.cat([out[:len(g)] for g, out in zip(groups, self._outs)]).t()
         else:
             dirty = self.any_counted or not self._all_finite(groups)
         if dirty:
@@ -131,7 +156,12 @@ class NaNSentinel:
             for block in poisoned:
                 self.detections["null_block" if block == NULL_BLOCK_ID else "allocated"] += 1
             self.any_counted = bool(self.counts.any())
-        self.scan_seconds.append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.scan_seconds.append(seconds)
+        if self.sweep.time_budget is not None:  # else the window's share of the scan at the average block cost
+            if window_seconds is None:
+                window_seconds = seconds * self._window / len(ids)
+            self.sweep.time_budget.spent(window_seconds, self._window)
         return [b for b in poisoned if b != NULL_BLOCK_ID]
 
     @property

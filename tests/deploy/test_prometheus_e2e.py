@@ -20,9 +20,10 @@ RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.
 
 
 def run_server(checkpoint, tmp_path_factory, *flags: str):
-    # A sweep of 1024 blocks per step covers the 64 MiB test cache in a few idle heartbeats.
+    # A sweep of 1024 blocks every step (no time budget) covers the 64 MiB test cache in a few
+    # idle heartbeats.
     proc = ServerProcess(checkpoint("tiny-llama"), "--enable-fault-injection", "--nan-policy", "count",
-                         "--nan-scan-blocks-per-step", "1024", *flags, log_dir=tmp_path_factory.mktemp("kvsentry"))
+                         "--nan-scan-budget", "0", "--nan-scan-blocks-per-step", "1024", *flags, log_dir=tmp_path_factory.mktemp("kvsentry"))
     try:
         yield proc.wait_ready()
     finally:

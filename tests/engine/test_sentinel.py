@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def make_core(path: str, **kwargs) -> EngineCore:
-    args = dict(max_model_len=256, block_size=8, num_gpu_blocks=40, nan_scan_blocks_per_step=4)
+    args = dict(max_model_len=256, block_size=8, num_gpu_blocks=40, nan_scan_blocks_per_step=4, nan_scan_budget=0.0)
     args.update(kwargs)
     return EngineCore(EngineConfig.create(path, **args))
 

@@ -39,7 +39,8 @@ def test_help_shows_the_configs_defaults():
     text = " ".join(subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], capture_output=True,
                                    text=True, check=True).stdout.split())
     assert f"--nan-scan-blocks-per-step NAN_SCAN_BLOCKS_PER_STEP blocks the rolling scan checks per step " \
-           f"(default: {EngineConfig.nan_scan_blocks_per_step})" in text
+           f"(the most, under a budget) (default: {EngineConfig.nan_scan_blocks_per_step})" in text
+    assert f"(default: {EngineConfig.nan_scan_budget})" in text
     assert f"(default: {EngineConfig.max_num_seqs})" in text
 
 
