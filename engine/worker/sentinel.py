@@ -121,10 +121,16 @@ class NaNSentinel:
             return self.by_block[ids[0]:ids[-1] + 1]
         return self.by_block.index_select(0, torch.tensor(ids, device=self.by_block.device))
 
-    def _all_finite(self, groups: list[list[int]]) -> bool:
-        """Fast path: one scalar sum per group, one host sync for the whole step."""
-        total = sum(self._group_blocks(g).sum(dtype=torch.float32) for g in groups)
-        return math.isfinite(float(total))
+    def _all_finite(self, groups: list[list[int]]) -> tuple[bool, float | None]:
+        """Fast path: one scalar sum per group. Returns whether all are finite, and the sweep
+        window's own scan time (None without a window) for the time budget."""
+        total, window_seconds = 0.0, None
+        for i, group in enumerate(groups):
+            start = time.perf_counter()
+            total += float(self._group_blocks(group).sum(dtype=torch.float32))
+            if i == 1 and self._window:
+                window_seconds = time.perf_counter() - start
+        return math.isfinite(total), window_seconds
 
     def step(self, written_slots: torch.Tensor | None = None, block_size: int = 1) -> list[int]:
         """Scan for this step; returns the non-null blocks newly found poisoned."""
@@ -142,7 +148,8 @@ class NaNSentinel:
             if dirty:
                 counts = torch.cat([out[:len(g)] for g, out in zip(groups, self._outs)]).t()
         else:
-            dirty = self.any_counted or not self._all_finite(groups)
+            finite, window_seconds = self._all_finite(groups)
+            dirty = self.any_counted or not finite
         if dirty:
             if counts is None:
                 results = [self._scan(g) for g in groups]
@@ -158,9 +165,7 @@ class NaNSentinel:
             self.any_counted = bool(self.counts.any())
         seconds = time.perf_counter() - start
         self.scan_seconds.append(seconds)
-        if self.sweep.time_budget is not None:  # else the window's share of the scan at the average block cost
-            if window_seconds is None:
-                window_seconds = seconds * self._window / len(ids)
+        if self.sweep.time_budget is not None and window_seconds is not None:
             self.sweep.time_budget.spent(window_seconds, self._window)
         return [b for b in poisoned if b != NULL_BLOCK_ID]
 
