@@ -79,6 +79,25 @@ def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
                                               read_blocks, num_read_blocks, scale)
 
 
+def paged_prefill_attention_fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether csrc/cpu_prefill_attention_amx.cpp takes these tensors (AMX-BF16, bf16, head_dim a
+    multiple of 32 up to 128, v_dim a multiple of 32, blocks of a multiple of 16 tokens)."""
+    return torch.ops.kvsentry.paged_prefill_attention_fits(query, key_cache, value_cache)
+
+
+def paged_prefill_attention(out: torch.Tensor,           # [T, Hq, Dv], rows of the requests written
+                            query: torch.Tensor,         # [T, Hq, D]
+                            key_cache: torch.Tensor,     # [num_blocks, block_size, Hkv, D], any strides
+                            value_cache: torch.Tensor,   # [num_blocks, block_size, Hkv, Dv]
+                            block_tables: torch.Tensor,  # [>= R, >= blocks of the longest] int32
+                            seq_lens: list[int],         # [R] each request's length after the step
+                            query_starts: list[int],     # [R + 1] each request's rows of query/out
+                            scale: float) -> None:
+    """Each request's new tokens causally over its whole cached sequence, on AMX tiles."""
+    torch.ops.kvsentry.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                               query_starts, scale)
+
+
 def row_argmax(logits: torch.Tensor,  # [n, vocab] float32 or bf16, a contiguous last dim
                ) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64 tokens, [n] bool finite
     """torch.argmax(logits, -1) exactly (first maximum; a row's first NaN wins), and whether

@@ -1,0 +1,298 @@
+// Paged prefill attention for a bfloat16 cache on CPUs with AMX-BF16: each prefill request's new
+// tokens attend causally to its whole sequence (a cached prefix and themselves), read straight
+// out of the paged cache after this step's K/V were written.
+//
+//   torch.ops.kvsentry.paged_prefill_attention(out, query, key_cache, value_cache, block_tables,
+//                                              seq_lens, query_starts, scale)
+//
+//   out           [T, Hq, Dv] bf16: rows [query_starts[0], query_starts[R]) written
+//   query         [T, Hq, D] bf16
+//   key_cache     [num_blocks, block_size, Hkv, D] bf16, any strides with the last dim contiguous
+//   value_cache   [num_blocks, block_size, Hkv, Dv] bf16, the same
+//   block_tables  [>= R, >= blocks of the longest] int32: row r is request r's blocks
+//   seq_lens      int[R]: request r's length after this step; its new tokens are its last ones
+//   query_starts  int[R + 1]: request r's new tokens are rows [query_starts[r], query_starts[r + 1])
+//
+// Why: torch's flash SDPA ran the default model's 512-token causal prefill at ~140 GFLOP/s on a
+// 1-core Xeon (a quarter of a 4 x 512 prefill step), where the AMX tiles do 1024 FLOP a cycle.
+// The torch reference is engine/ops/attention.py's SDPA loop over the gathered K/V, which the
+// tests hold this to.
+//
+// Per (request, KV head): V^T packed once ([Dv][positions], zero past the length), then per tile
+// of 16 new tokens and per query head of the group:
+//   scores  S^T [16 keys, 16 tokens] = K . Q^T (cpu_attention_amx_tiles.h: K's tiles as they lie
+//           in the cache, the tokens' queries as VNNI pairs) for the keys up to the tile's last
+//           token; scaled and masked causally, one zmm per key with the tokens as lanes, so the
+//           softmax's max and sum are lane-wise over keys and need no transposes;
+//   softmax over each token's keys in float32, normalised, rounded to bf16 (as the reference's
+//           probabilities are before their value product), interleaved into VNNI key pairs;
+//   values  O^T [Dv, 16 tokens] = V^T . P^T on AMX tiles, then written token-major.
+// Causally masked keys get probability 0 and are multiplied (0 x NaN = NaN, as in the
+// reference); positions past the length are never read.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpu_amx.h"
+#include "cpu_attention_amx_tiles.h"
+#include "cpu_fast_exp.h"
+
+namespace {
+
+using at::Tensor;
+constexpr const char* kOp = "kvsentry::paged_prefill_attention";
+
+bool fits(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
+  return kvsentry_amx::supported() && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
+         query.size(2) <= 32 * kvsentry_amx::kMaxDimBlocks && value_cache.size(3) % 32 == 0 &&
+         key_cache.size(1) % 16 == 0;
+}
+
+#if defined(__AVX512F__)
+using kvsentry_amx::kPairs;
+using kvsentry_amx::kTile;
+
+struct Args {
+  const c10::BFloat16* q;
+  int64_t qs0, qs1;
+  const c10::BFloat16* kc;
+  int64_t ks0, ks1, ks2;
+  const c10::BFloat16* vc;
+  int64_t vs0, vs1, vs2;
+  const int32_t* tables;
+  int64_t ts0, ts1;
+  const int64_t* lens;
+  const int64_t* starts;
+  int64_t block_size, num_kv_heads, group, head_dim, v_dim;
+  float scale;
+  c10::BFloat16* o;
+  int64_t os0, os1;
+};
+
+// O^T [64 dims from d0, 16 tokens] = V^T [dims, keys] . P^T pairs over `blocks` blocks of 32 keys;
+// stored to os [v_dim][16] float32 from row d0. `tiles` (1-4) 16-dim tiles.
+__attribute__((target("amx-tile,amx-bf16"))) inline void value_tiles_t(const uint16_t* vt, int64_t vt_bytes,
+                                                                      const uint16_t* pt, int64_t d0, int64_t tiles,
+                                                                      int64_t blocks, float* os) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t row = vt_bytes / 2;  // V^T's row length in elements
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint16_t* a = vt + d0 * row + blk * 2 * kPairs;
+    _tile_loadd(4, pt + blk * kPairs * 2 * kTile, 2 * kTile * 2);
+    _tile_loadd(5, a, vt_bytes);
+    _tile_dpbf16ps(0, 5, 4);
+    if (tiles > 1) {
+      _tile_loadd(6, a + kTile * row, vt_bytes);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if (tiles > 2) {
+      _tile_loadd(7, a + 2 * kTile * row, vt_bytes);
+      _tile_dpbf16ps(2, 7, 4);
+    }
+    if (tiles > 3) {
+      _tile_loadd(5, a + 3 * kTile * row, vt_bytes);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  }
+  _tile_stored(0, os + d0 * kTile, kTile * 4);
+  if (tiles > 1) _tile_stored(1, os + (d0 + kTile) * kTile, kTile * 4);
+  if (tiles > 2) _tile_stored(2, os + (d0 + 2 * kTile) * kTile, kTile * 4);
+  if (tiles > 3) _tile_stored(3, os + (d0 + 3 * kTile) * kTile, kTile * 4);
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void items(const Args& a, int64_t begin,
+                                                                                 int64_t end) {
+  const int64_t blocks = a.head_dim / 32;
+  std::vector<uint16_t> vt;                       // [v_dim][len32] V^T of the item's sequence
+  std::vector<float> sc;                          // [keys][16 tokens] scores, then probabilities
+  std::vector<uint16_t> pt;                       // [len32 / 2][16 tokens][2] P^T as VNNI key pairs
+  std::vector<uint32_t> qt(static_cast<size_t>(blocks * kPairs * kTile));  // [block][pair][token]
+  std::vector<float> os(static_cast<size_t>(a.v_dim * kTile));            // [v_dim][16 tokens]
+  // Every tile 16 rows of 64 bytes. Scores: C 0 and 6, K 1 and 7, Q^T 2-5; values: C 0-3, P^T 4, V^T 5-7.
+  const kvsentry_amx::TileConfig config({kTile, kTile, kPairs, kPairs, kPairs, kPairs, kPairs, kPairs});
+  _tile_loadconfig(&config);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // cvtne2ps_pbh(odd, even) puts the even key's 16 tokens below the odd key's; VNNI wants them paired.
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kTile), lane);  // os [dim][token]: a token's dims
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t r = item / a.num_kv_heads, h = item % a.num_kv_heads;
+    const int64_t len = a.lens[r], first = a.starts[r], num_new = a.starts[r + 1] - first;
+    if (num_new <= 0) continue;
+    const int64_t ctx = len - num_new;  // the first new token's position
+    const int64_t len32 = (len + 2 * kPairs - 1) / (2 * kPairs) * (2 * kPairs);
+    const int32_t* table = a.tables + r * a.ts0;
+    // V^T, zero past the length (never read from the cache: the reference stops there too).
+    vt.assign(static_cast<size_t>(a.v_dim * len32), 0);
+    for (int64_t pos = 0; pos < len; ++pos) {
+      const int64_t j = pos / a.block_size;
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(
+          a.vc + static_cast<int64_t>(table[j * a.ts1]) * a.vs0 + h * a.vs2 + (pos - j * a.block_size) * a.vs1);
+      for (int64_t d = 0; d < a.v_dim; ++d) vt[d * len32 + pos] = row[d];
+    }
+    sc.resize(static_cast<size_t>(len32 * kTile));
+    pt.resize(static_cast<size_t>(len32 * kTile));
+    auto key_rows = [&](int64_t tile) {
+      const int64_t pos = tile * kTile, j = pos / a.block_size;
+      return a.kc + static_cast<int64_t>(table[j * a.ts1]) * a.ks0 + h * a.ks2 + (pos - j * a.block_size) * a.ks1;
+    };
+    for (int64_t t0 = 0; t0 < num_new; t0 += kTile) {
+      const int64_t n = std::min<int64_t>(kTile, num_new - t0);
+      const int64_t live = ctx + t0 + n;  // keys any token of the tile sees
+      const int64_t live_tiles = (live + kTile - 1) / kTile;
+      const int64_t live32 = (live + 2 * kPairs - 1) / (2 * kPairs) * (2 * kPairs);
+      const __m512i position = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(ctx + t0)), lane);
+      // Tokens past the tile's last: never stored; their lanes see only key 0 so nothing overflows.
+      const __m512i seen = _mm512_mask_blend_epi32(static_cast<__mmask16>((1u << n) - 1), _mm512_setzero_si512(),
+                                                   position);
+      for (int64_t g = 0; g < a.group; ++g) {
+        const int64_t head = h * a.group + g;
+        std::fill(qt.begin(), qt.end(), 0u);
+        for (int64_t t = 0; t < n; ++t) {
+          const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (first + t0 + t) * a.qs0 + head * a.qs1);
+          for (int64_t pair = 0; pair < blocks * kPairs; ++pair) qt[pair * kTile + t] = qrow[pair];
+        }
+        kvsentry_amx::load_query_tiles(qt.data(), blocks);
+        for (int64_t t = 0; t < live_tiles; t += 2) {
+          const bool two = t + 1 < live_tiles;
+          kvsentry_amx::score_tiles(key_rows(t), two ? key_rows(t + 1) : nullptr, a.ks1 * 2, blocks,
+                                    &sc[t * kTile * kTile], &sc[(t + 1) * kTile * kTile]);
+        }
+        // Scaled, causally masked, the running maximum per token (NaN wins, as in torch's max).
+        __m512 best = neg_inf;
+        __mmask16 nan = 0;
+        for (int64_t key = 0; key < live; ++key) {
+          float* s = &sc[key * kTile];
+          const __mmask16 allowed = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), seen);
+          const __m512 v = _mm512_mask_blend_ps(allowed, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s), scale));
+          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          best = _mm512_max_ps(best, v);
+          _mm512_storeu_ps(s, v);
+        }
+        best = _mm512_mask_blend_ps(nan, best, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+        alignas(64) float top[kTile];
+        _mm512_store_ps(top, best);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t key = 0; key < live; ++key) {
+          float* s = &sc[key * kTile];
+          for (int64_t t = 0; t < kTile; ++t) s[t] = kvsentry_math::fast_exp(s[t] - top[t]);
+          total = _mm512_add_ps(total, _mm512_loadu_ps(s));
+        }
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
+        for (int64_t key = 0; key < live32; key += 2) {
+          const __m512 even = key < live ? _mm512_mul_ps(_mm512_loadu_ps(&sc[key * kTile]), inv) : _mm512_setzero_ps();
+          const __m512 odd =
+              key + 1 < live ? _mm512_mul_ps(_mm512_loadu_ps(&sc[(key + 1) * kTile]), inv) : _mm512_setzero_ps();
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+          _mm512_storeu_si512(&pt[key * kTile], _mm512_permutexvar_epi16(pairs, both));
+        }
+        for (int64_t d0 = 0; d0 < a.v_dim; d0 += 4 * kTile) {
+          value_tiles_t(vt.data(), len32 * 2, pt.data(), d0, std::min<int64_t>(4, (a.v_dim - d0) / kTile),
+                        live32 / (2 * kPairs), os.data());
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          c10::BFloat16* orow = a.o + (first + t0 + t) * a.os0 + head * a.os1;
+          for (int64_t d = 0; d < a.v_dim; d += kTile) {
+            const __m512 v = _mm512_i32gather_ps(column, &os[d * kTile + t], 4);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d), (__m256i)_mm512_cvtneps_pbh(v));
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+void check(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+           const Tensor& block_tables, at::IntArrayRef seq_lens, at::IntArrayRef query_starts) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, kOp,
+              ": expects out/query [T, H, D] and caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              kOp, ": last dims must be contiguous");
+  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == value_cache.size(3),
+              kOp, ": out must be [T, Hq, Dv]");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, kOp, ": query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, kOp, ": block_tables must be int32 2-D");
+  const int64_t num_reqs = static_cast<int64_t>(seq_lens.size());
+  TORCH_CHECK(static_cast<int64_t>(query_starts.size()) == num_reqs + 1 && block_tables.size(0) >= num_reqs, kOp,
+              ": query_starts must be [R + 1] and block_tables have R rows");
+  TORCH_CHECK(fits(query, key_cache, value_cache), kOp,
+              ": needs AMX-BF16, bf16 tensors, head_dim a multiple of 32 up to 128, v_dim a multiple of 32 and "
+              "blocks of a multiple of 16 tokens (paged_prefill_attention_fits says so beforehand)");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t num_new = query_starts[r + 1] - query_starts[r];
+    TORCH_CHECK(0 <= query_starts[r] && num_new >= 0 && query_starts[r + 1] <= query.size(0), kOp,
+                ": query_starts must be ascending within the query's rows");
+    TORCH_CHECK(num_new <= seq_lens[r], kOp, ": a request has more new tokens than its length");
+    const int64_t blocks = (seq_lens[r] + key_cache.size(1) - 1) / key_cache.size(1);
+    TORCH_CHECK(blocks <= block_tables.size(1), kOp, ": a request's length is past its block table's width");
+  }
+}
+
+void paged_prefill_attention_cpu(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                 const Tensor& value_cache, const Tensor& block_tables, at::IntArrayRef seq_lens,
+                                 at::IntArrayRef query_starts, double scale) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, query_starts);
+#if defined(__AVX512F__)
+  const std::vector<int64_t> lens(seq_lens.begin(), seq_lens.end());
+  const std::vector<int64_t> starts(query_starts.begin(), query_starts.end());
+  Args a{};
+  a.q = query.data_ptr<c10::BFloat16>();
+  a.qs0 = query.stride(0);
+  a.qs1 = query.stride(1);
+  a.kc = key_cache.data_ptr<c10::BFloat16>();
+  a.ks0 = key_cache.stride(0);
+  a.ks1 = key_cache.stride(1);
+  a.ks2 = key_cache.stride(2);
+  a.vc = value_cache.data_ptr<c10::BFloat16>();
+  a.vs0 = value_cache.stride(0);
+  a.vs1 = value_cache.stride(1);
+  a.vs2 = value_cache.stride(2);
+  a.tables = block_tables.data_ptr<int32_t>();
+  a.ts0 = block_tables.stride(0);
+  a.ts1 = block_tables.stride(1);
+  a.lens = lens.data();
+  a.starts = starts.data();
+  a.block_size = key_cache.size(1);
+  a.num_kv_heads = key_cache.size(2);
+  a.group = query.size(1) / key_cache.size(2);
+  a.head_dim = query.size(2);
+  a.v_dim = value_cache.size(3);
+  a.scale = static_cast<float>(scale);
+  a.o = out.data_ptr<c10::BFloat16>();
+  a.os0 = out.stride(0);
+  a.os1 = out.stride(1);
+  at::parallel_for(0, static_cast<int64_t>(lens.size()) * a.num_kv_heads, 1,
+                   [&](int64_t begin, int64_t end) { items(a, begin, end); });
+#endif
+}
+
+bool paged_prefill_attention_fits(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
+  return query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 && fits(query, key_cache, value_cache) &&
+         key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, int[] seq_lens, int[] query_starts, float scale) -> ()");
+  m.def("paged_prefill_attention_fits(Tensor query, Tensor key_cache, Tensor value_cache) -> bool",
+        &paged_prefill_attention_fits);
+}
+
+TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention_cpu); }
