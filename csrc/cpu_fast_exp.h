@@ -1,7 +1,11 @@
-// The softmax's exp, shared by the attention kernels (cpu_attention.cpp, cpu_attention_amx.cpp).
+// The exps the kernels share: the softmax's (cpu_attention.cpp, cpu_attention_amx.cpp,
+// cpu_prefill_attention_amx.cpp) and the bf16 SiLU's (cpu_fused_ops.cpp).
 #pragma once
 
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvsentry_math {
 
@@ -27,5 +31,28 @@ inline float fast_exp(float x) {
   const float e = p * scale.f;
   return x != x ? x : (x < -87.0f ? 0.f : e);
 }
+
+#if defined(__AVX512F__)
+// 16 lanes of the same exp, its 2^n by vscalefps: exp of a value past the float range
+// overflows to inf and underflows to 0 (through denormals), +inf -> inf, -inf -> 0, NaN -> NaN.
+// The clamp only keeps n finite (max/min return their second operand, x, on NaN). A degree-5
+// polynomial: relative error ~2e-7 on |r| <= ln2/2. For bf16 results it is exact where it
+// matters: a bf16 SiLU through it rounds to torch's (Sleef's) bits for all 65,536 bf16 inputs
+// (tests/csrc/test_fused_ops.py checks every one).
+__attribute__((target("avx512f"))) inline __m512 fast_exp_ps(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(104.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 120.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 }  // namespace kvsentry_math

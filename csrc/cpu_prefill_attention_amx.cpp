@@ -24,9 +24,10 @@
 //           in the cache, the tokens' queries as VNNI pairs) for the keys up to the tile's last
 //           token; scaled and masked causally, one zmm per key with the tokens as lanes, so the
 //           softmax's max and sum are lane-wise over keys and need no transposes;
-//   softmax over each token's keys in float32, normalised, rounded to bf16 (as the reference's
-//           probabilities are before their value product), interleaved into VNNI key pairs;
-//   values  O^T [Dv, 16 tokens] = V^T . P^T on AMX tiles, then written token-major.
+//   softmax over each token's keys in float32: exp(s - max) rounded to bf16 (the reference rounds
+//           its probabilities before the value product too) and interleaved into VNNI key pairs;
+//   values  O^T [Dv, 16 tokens] = V^T . P^T on AMX tiles, then written token-major, divided by
+//           the token's sum of weights.
 // Causally masked keys get probability 0 and are multiplied (0 x NaN = NaN, as in the
 // reference); positions past the length are never read.
 #include <ATen/Parallel.h>
@@ -74,6 +75,15 @@ struct Args {
   c10::BFloat16* o;
   int64_t os0, os1;
 };
+
+// exp for the softmax: kvsentry_math::fast_exp_ps, with keys below e^-87 (masked ones: -inf)
+// weighing exactly 0. Clamped first: a denormal result, even one blended away, costs a
+// microcode assist per vector (the kernel ran 40% slower with masked keys reaching it).
+__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(-87.0f);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ), kvsentry_math::fast_exp_ps(_mm512_max_ps(floor, x)),
+                              _mm512_setzero_ps());
+}
 
 // O^T [64 dims from d0, 16 tokens] = V^T [dims, keys] . P^T pairs over `blocks` blocks of 32 keys;
 // stored to os [v_dim][16] float32 from row d0. `tiles` (1-4) 16-dim tiles.
@@ -134,13 +144,22 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
     const int64_t ctx = len - num_new;  // the first new token's position
     const int64_t len32 = (len + 2 * kPairs - 1) / (2 * kPairs) * (2 * kPairs);
     const int32_t* table = a.tables + r * a.ts0;
-    // V^T, zero past the length (never read from the cache: the reference stops there too).
+    // V^T, zero past the length (never read from the cache: the reference stops there too):
+    // per 16 positions of a block and pair of dims, one 32-bit gather of the (d, d + 1) pairs,
+    // split into the two rows (a scalar transpose was a tenth of the kernel's time).
     vt.assign(static_cast<size_t>(a.v_dim * len32), 0);
-    for (int64_t pos = 0; pos < len; ++pos) {
-      const int64_t j = pos / a.block_size;
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(
-          a.vc + static_cast<int64_t>(table[j * a.ts1]) * a.vs0 + h * a.vs2 + (pos - j * a.block_size) * a.vs1);
-      for (int64_t d = 0; d < a.v_dim; ++d) vt[d * len32 + pos] = row[d];
+    const __m512i rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(a.vs1 * 2)));  // bytes
+    for (int64_t pos = 0; pos < len; pos += kTile) {
+      const int64_t j = pos / a.block_size, n = std::min<int64_t>(kTile, len - pos);
+      const __mmask16 live = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      const c10::BFloat16* first_row =
+          a.vc + static_cast<int64_t>(table[j * a.ts1]) * a.vs0 + h * a.vs2 + (pos - j * a.block_size) * a.vs1;
+      for (int64_t d = 0; d < a.v_dim; d += 2) {
+        const __m512i both = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, first_row + d, 1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&vt[d * len32 + pos]), _mm512_cvtepi32_epi16(both));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&vt[(d + 1) * len32 + pos]),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+      }
     }
     sc.resize(static_cast<size_t>(len32 * kTile));
     pt.resize(static_cast<size_t>(len32 * kTile));
@@ -182,22 +201,19 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
           _mm512_storeu_ps(s, v);
         }
         best = _mm512_mask_blend_ps(nan, best, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-        alignas(64) float top[kTile];
-        _mm512_store_ps(top, best);
+        // exp(s - max) rounded to bf16 and interleaved into VNNI key pairs in one pass; the sum
+        // divides the output instead of the probabilities (the same bf16 rounding, relative).
         __m512 total = _mm512_setzero_ps();
-        for (int64_t key = 0; key < live; ++key) {
-          float* s = &sc[key * kTile];
-          for (int64_t t = 0; t < kTile; ++t) s[t] = kvsentry_math::fast_exp(s[t] - top[t]);
-          total = _mm512_add_ps(total, _mm512_loadu_ps(s));
-        }
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
         for (int64_t key = 0; key < live32; key += 2) {
-          const __m512 even = key < live ? _mm512_mul_ps(_mm512_loadu_ps(&sc[key * kTile]), inv) : _mm512_setzero_ps();
-          const __m512 odd =
-              key + 1 < live ? _mm512_mul_ps(_mm512_loadu_ps(&sc[(key + 1) * kTile]), inv) : _mm512_setzero_ps();
+          __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+          if (key < live) even = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&sc[key * kTile]), best));
+          if (key + 1 < live) odd = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&sc[(key + 1) * kTile]), best));
+          total = _mm512_add_ps(total, _mm512_add_ps(even, odd));
           const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
           _mm512_storeu_si512(&pt[key * kTile], _mm512_permutexvar_epi16(pairs, both));
         }
+        alignas(64) float inv[kTile];
+        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
         for (int64_t d0 = 0; d0 < a.v_dim; d0 += 4 * kTile) {
           value_tiles_t(vt.data(), len32 * 2, pt.data(), d0, std::min<int64_t>(4, (a.v_dim - d0) / kTile),
                         live32 / (2 * kPairs), os.data());
@@ -205,7 +221,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
         for (int64_t t = 0; t < n; ++t) {
           c10::BFloat16* orow = a.o + (first + t0 + t) * a.os0 + head * a.os1;
           for (int64_t d = 0; d < a.v_dim; d += kTile) {
-            const __m512 v = _mm512_i32gather_ps(column, &os[d * kTile + t], 4);
+            const __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(column, &os[d * kTile + t], 4), _mm512_set1_ps(inv[t]));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d), (__m256i)_mm512_cvtneps_pbh(v));
           }
         }
