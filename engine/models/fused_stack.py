@@ -7,7 +7,7 @@ linears -- bf16 panels or oneDNN, cpu_gemm.py -- and the same kvsentry kernels),
 are the loop's bits (tests/csrc/test_decoder_layers.py).
 
 A step takes the loop instead whenever it needs what the op does not do: prefill chunks for
-SDPA (engine/ops/attention.py, prefill_in_kernel), a non-CPU or fixed-shape (CUDA-graph) step,
+SDPA (engine/ops/attention.py: neither prefill_in_kernel nor prefill_on_amx), a non-CPU or fixed-shape (CUDA-graph) step,
 a cache in another dtype, forward hooks on a layer, or `--enforce-eager` (every op from Python,
 as vLLM's flag means on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape
 never build one.
@@ -106,14 +106,18 @@ class FusedLayerStack:
             return None
         decodes, starts = meta.num_decodes, meta.query_start_loc_cpu
         block_size = k0.shape[1]
-        prefill = None
-        if meta.num_reqs > decodes:
-            if not attention.prefill_in_kernel(meta):
+        prefill, amx = None, None
+        if meta.num_reqs > decodes:  # the order of attention.paged_attention's paths
+            if self._prefill_on_amx(hidden.dtype, ctx):
+                amx = (meta.block_tables[decodes:meta.num_reqs], list(meta.seq_lens_cpu[decodes:meta.num_reqs]),
+                       list(starts[decodes:meta.num_reqs + 1]))
+            elif attention.prefill_in_kernel(meta):
+                prefill = meta.prefill_plan(block_size, hidden.device)
+            else:
                 return None  # those chunks go through SDPA, in the loop
-            prefill = meta.prefill_plan(block_size, hidden.device)
         decode = meta.decode_plan(block_size, hidden.device) if decodes else None
         slots = ctx.write_guard.check(meta.slot_mapping) if ctx.write_guard is not None else meta.slot_mapping
-        first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None else (decodes, decodes)
+        first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None or amx else (decodes, decodes)
         small = self.panel_rows is None or hidden.shape[0] <= self.panel_rows  # the step's tokens
         return cpu_ops.dense_decoder_layers(
             hidden, positions, self.panel_weights if small else self.weights, self.biases, self.out_features,
@@ -122,7 +126,14 @@ class FusedLayerStack:
             slots, ctx.null_block_writes,
             meta.block_tables if decode is not None else None, meta.seq_lens if decode is not None else None,
             decode.reads if decode is not None else None, decode.num_read if decode is not None else 0, decodes,
-            prefill.tables if prefill is not None else None, prefill.seq_lens if prefill is not None else None,
+            prefill.tables if prefill is not None else amx[0] if amx else None,
+            prefill.seq_lens if prefill is not None else None,
             prefill.reads if prefill is not None else None, prefill.num_read if prefill is not None else 0,
             first, last,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            amx[1] if amx else None, amx[2] if amx else None)
+
+    def _prefill_on_amx(self, dtype: torch.dtype, ctx: StepContext) -> bool:
+        """attention.prefill_on_amx for this stack's shapes (the op only reads sizes and dtypes)."""
+        k, v = ctx.kv_caches[0]
+        return attention.prefill_on_amx(torch.empty(0, self.num_heads, self.head_dim, dtype=dtype), k, v)

@@ -58,11 +58,13 @@ def test_amx_prefill_matches_sdpa_in_bf16(checkpoint, monkeypatch, chunk):
     calls = []
     real = cpu_ops.paged_prefill_attention
     monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
-    amx = run(path, prompts, chunk, dtype="bfloat16")
+    # enforce_eager: the Python loop, where the call can be counted (the fused stack makes the
+    # same call from C++: tests/csrc/test_decoder_layers.py holds the two bitwise equal).
+    amx = run(path, prompts, chunk, dtype="bfloat16", enforce_eager=True)
     assert calls, "the AMX prefill kernel never ran"
     monkeypatch.setattr(attention, "PREFILL_AMX", False)
     calls.clear()
-    sdpa = run(path, prompts, chunk, dtype="bfloat16")
+    sdpa = run(path, prompts, chunk, dtype="bfloat16", enforce_eager=True)
     assert not calls
     exact = run(path, prompts, chunk, dtype="float32")  # bf16's error, measured against float32
     # Prompt logprobs: the same inputs through both paths. (Generated tokens are not compared:
