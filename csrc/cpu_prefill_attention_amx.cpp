@@ -137,6 +137,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kTile), lane);  // os [dim][token]: a token's dims
+  const __m512i token_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(a.qs0 * 2)));  // bytes
   for (int64_t item = begin; item < end; ++item) {
     const int64_t r = item / a.num_kv_heads, h = item % a.num_kv_heads;
     const int64_t len = a.lens[r], first = a.starts[r], num_new = a.starts[r + 1] - first;
@@ -176,12 +177,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
       // Tokens past the tile's last: never stored; their lanes see only key 0 so nothing overflows.
       const __m512i seen = _mm512_mask_blend_epi32(static_cast<__mmask16>((1u << n) - 1), _mm512_setzero_si512(),
                                                    position);
+      const __mmask16 tokens = static_cast<__mmask16>((1u << n) - 1);
       for (int64_t g = 0; g < a.group; ++g) {
         const int64_t head = h * a.group + g;
-        std::fill(qt.begin(), qt.end(), 0u);
-        for (int64_t t = 0; t < n; ++t) {
-          const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (first + t0 + t) * a.qs0 + head * a.qs1);
-          for (int64_t pair = 0; pair < blocks * kPairs; ++pair) qt[pair * kTile + t] = qrow[pair];
+        // Q^T as VNNI pairs: row `pair` holds each token's dims (2 pair, 2 pair + 1), one 32-bit
+        // gather per row from the tile's token rows; tokens past the tile's last are zero.
+        const c10::BFloat16* q0 = a.q + (first + t0) * a.qs0 + head * a.qs1;
+        for (int64_t pair = 0; pair < blocks * kPairs; ++pair) {
+          _mm512_storeu_si512(&qt[pair * kTile],
+                              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tokens, token_rows, q0 + 2 * pair, 1));
         }
         kvsentry_amx::load_query_tiles(qt.data(), blocks);
         for (int64_t t = 0; t < live_tiles; t += 2) {
