@@ -229,7 +229,7 @@ PREFILL_KERNEL_MAX_LEN = 0 if "amx_bf16" in cpu_ops.cpu_flags() else 1024
 # Prefill chunks of any length run on AMX tiles (csrc/cpu_prefill_attention_amx.cpp) where the
 # CPU and shapes allow, before the rules above. Read at call time: tests turn it off to check
 # the other paths. 1-core Xeon, default model, bf16, 4 x 512-token causal prefill per layer:
-# SDPA ~8.5-9 ms, AMX tiles ~4.5 ms; the whole 4 x 512 prefill step 1045 -> ~830 ms (with the
+# SDPA ~8.5-9.5 ms, AMX tiles ~3.9 ms; the whole 4 x 512 prefill step 1045 -> ~830 ms (with the
 # bf16 SiLU's inline exp). Short chunks too, whole prefill steps in the fused stack, tiles vs the
 # kernel's rows: 1 x 16 tokens 34 vs 35-44 ms, 16 x 8 79 vs 82-87, 8 x 48 132-144 vs 157-185.
 PREFILL_AMX = True
