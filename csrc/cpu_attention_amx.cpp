@@ -87,21 +87,10 @@ inline void prefetch_block(const c10::BFloat16* rows, int64_t n, int64_t row_str
   }
 }
 
-struct Args {
-  const c10::BFloat16* q;
-  int64_t qs0, qs1;
-  const c10::BFloat16* kc;
-  int64_t ks0, ks1, ks2;
-  const c10::BFloat16* vc;
-  int64_t vs0, vs1, vs2;
-  const int32_t* tables;
-  int64_t ts0, ts1;
+struct Args : PagedTensors {
   const int64_t* lens;
   const int32_t* reads;
-  int64_t num_read, block_size, num_kv_heads, group, head_dim, v_dim;
-  float scale;
-  c10::BFloat16* o;
-  int64_t os0, os1;
+  int64_t num_read;
 };
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void items(const Args& a, int64_t begin,
@@ -230,42 +219,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
 #endif
 
 bool decode_attention_amx_fits(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  const int64_t group = query.size(1) / key_cache.size(2);
-  return supported() && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
-         query.size(2) <= 32 * kMaxDimBlocks && value_cache.size(3) % 32 == 0 && group <= 16 && key_cache.size(1) % 16 == 0;
+  return tile_shapes_fit(query, key_cache, value_cache) && query.size(1) / key_cache.size(2) <= 16;
 }
 
 void decode_attention_amx(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const int32_t* read_blocks, int64_t num_read, float scale) {
 #if defined(__AVX512F__)
-  Args a{};
-  a.q = query.data_ptr<c10::BFloat16>();
-  a.qs0 = query.stride(0);
-  a.qs1 = query.stride(1);
-  a.kc = key_cache.data_ptr<c10::BFloat16>();
-  a.ks0 = key_cache.stride(0);
-  a.ks1 = key_cache.stride(1);
-  a.ks2 = key_cache.stride(2);
-  a.vc = value_cache.data_ptr<c10::BFloat16>();
-  a.vs0 = value_cache.stride(0);
-  a.vs1 = value_cache.stride(1);
-  a.vs2 = value_cache.stride(2);
-  a.tables = block_tables.data_ptr<int32_t>();
-  a.ts0 = block_tables.stride(0);
-  a.ts1 = block_tables.stride(1);
-  a.lens = seq_lens.data_ptr<int64_t>();
-  a.reads = read_blocks;
-  a.num_read = num_read;
-  a.block_size = key_cache.size(1);
-  a.num_kv_heads = key_cache.size(2);
-  a.group = query.size(1) / key_cache.size(2);
-  a.head_dim = query.size(2);
-  a.v_dim = value_cache.size(3);
-  a.scale = scale;
-  a.o = out.data_ptr<c10::BFloat16>();
-  a.os0 = out.stride(0);
-  a.os1 = out.stride(1);
+  const Args a{paged_tensors(out, query, key_cache, value_cache, block_tables, scale), seq_lens.data_ptr<int64_t>(),
+               read_blocks, num_read};
   at::parallel_for(0, query.size(0) * a.num_kv_heads, 1,
                    [&](int64_t begin, int64_t end) { items(a, begin, end); });
 #else

@@ -3,16 +3,53 @@
 // the paged cache and the queries packed as VNNI pairs.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
+
+#include "cpu_amx.h"
 
 namespace kvsentry_amx {
 constexpr int64_t kMaxDimBlocks = 4;  // head_dim <= 128: the query's tiles stay loaded (tiles 2-5)
+
+// The shapes both kernels take: an AMX-BF16 CPU (and build), bf16 queries, head_dim a multiple
+// of 32 up to 128, v_dim a multiple of 32, blocks of a multiple of 16 tokens.
+inline bool tile_shapes_fit(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  return supported() && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
+         query.size(2) <= 32 * kMaxDimBlocks && value_cache.size(3) % 32 == 0 && key_cache.size(1) % 16 == 0;
+}
+
+// What both kernels read of their tensors, as raw pointers and element strides: out and query
+// [T, Hq, D(v)], the caches [num_blocks, block_size, Hkv, D(v)], block_tables [R, W] int32.
+struct PagedTensors {
+  const c10::BFloat16* q;
+  int64_t qs0, qs1;
+  const c10::BFloat16* kc;
+  int64_t ks0, ks1, ks2;
+  const c10::BFloat16* vc;
+  int64_t vs0, vs1, vs2;
+  const int32_t* tables;
+  int64_t ts0, ts1;
+  int64_t block_size, num_kv_heads, group, head_dim, v_dim;
+  float scale;
+  c10::BFloat16* o;
+  int64_t os0, os1;
+};
+
+inline PagedTensors paged_tensors(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables, float scale) {
+  return {query.data_ptr<c10::BFloat16>(), query.stride(0), query.stride(1),
+          key_cache.data_ptr<c10::BFloat16>(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+          value_cache.data_ptr<c10::BFloat16>(), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+          block_tables.data_ptr<int32_t>(), block_tables.stride(0), block_tables.stride(1),
+          key_cache.size(1), key_cache.size(2), query.size(1) / key_cache.size(2), query.size(2), value_cache.size(3),
+          scale, out.data_ptr<c10::BFloat16>(), out.stride(0), out.stride(1)};
+}
 }  // namespace kvsentry_amx
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-#include <c10/util/BFloat16.h>
 
 namespace kvsentry_amx {
 

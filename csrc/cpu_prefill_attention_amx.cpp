@@ -49,31 +49,13 @@ namespace {
 using at::Tensor;
 constexpr const char* kOp = "kvsentry::paged_prefill_attention";
 
-bool fits(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
-  return kvsentry_amx::supported() && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
-         query.size(2) <= 32 * kvsentry_amx::kMaxDimBlocks && value_cache.size(3) % 32 == 0 &&
-         key_cache.size(1) % 16 == 0;
-}
-
 #if defined(__AVX512F__)
 using kvsentry_amx::kPairs;
 using kvsentry_amx::kTile;
 
-struct Args {
-  const c10::BFloat16* q;
-  int64_t qs0, qs1;
-  const c10::BFloat16* kc;
-  int64_t ks0, ks1, ks2;
-  const c10::BFloat16* vc;
-  int64_t vs0, vs1, vs2;
-  const int32_t* tables;
-  int64_t ts0, ts1;
+struct Args : kvsentry_amx::PagedTensors {
   const int64_t* lens;
   const int64_t* starts;
-  int64_t block_size, num_kv_heads, group, head_dim, v_dim;
-  float scale;
-  c10::BFloat16* o;
-  int64_t os0, os1;
 };
 
 // exp for the softmax: kvsentry_math::fast_exp_ps, with keys below e^-87 (masked ones: -inf)
@@ -249,7 +231,7 @@ void check(const Tensor& out, const Tensor& query, const Tensor& key_cache, cons
   const int64_t num_reqs = static_cast<int64_t>(seq_lens.size());
   TORCH_CHECK(static_cast<int64_t>(query_starts.size()) == num_reqs + 1 && block_tables.size(0) >= num_reqs, kOp,
               ": query_starts must be [R + 1] and block_tables have R rows");
-  TORCH_CHECK(fits(query, key_cache, value_cache), kOp,
+  TORCH_CHECK(kvsentry_amx::tile_shapes_fit(query, key_cache, value_cache), kOp,
               ": needs AMX-BF16, bf16 tensors, head_dim a multiple of 32 up to 128, v_dim a multiple of 32 and "
               "blocks of a multiple of 16 tokens (paged_prefill_attention_fits says so beforehand)");
   for (int64_t r = 0; r < num_reqs; ++r) {
@@ -269,40 +251,17 @@ void paged_prefill_attention_cpu(Tensor& out, const Tensor& query, const Tensor&
 #if defined(__AVX512F__)
   const std::vector<int64_t> lens(seq_lens.begin(), seq_lens.end());
   const std::vector<int64_t> starts(query_starts.begin(), query_starts.end());
-  Args a{};
-  a.q = query.data_ptr<c10::BFloat16>();
-  a.qs0 = query.stride(0);
-  a.qs1 = query.stride(1);
-  a.kc = key_cache.data_ptr<c10::BFloat16>();
-  a.ks0 = key_cache.stride(0);
-  a.ks1 = key_cache.stride(1);
-  a.ks2 = key_cache.stride(2);
-  a.vc = value_cache.data_ptr<c10::BFloat16>();
-  a.vs0 = value_cache.stride(0);
-  a.vs1 = value_cache.stride(1);
-  a.vs2 = value_cache.stride(2);
-  a.tables = block_tables.data_ptr<int32_t>();
-  a.ts0 = block_tables.stride(0);
-  a.ts1 = block_tables.stride(1);
-  a.lens = lens.data();
-  a.starts = starts.data();
-  a.block_size = key_cache.size(1);
-  a.num_kv_heads = key_cache.size(2);
-  a.group = query.size(1) / key_cache.size(2);
-  a.head_dim = query.size(2);
-  a.v_dim = value_cache.size(3);
-  a.scale = static_cast<float>(scale);
-  a.o = out.data_ptr<c10::BFloat16>();
-  a.os0 = out.stride(0);
-  a.os1 = out.stride(1);
+  const Args a{kvsentry_amx::paged_tensors(out, query, key_cache, value_cache, block_tables, static_cast<float>(scale)),
+               lens.data(), starts.data()};
   at::parallel_for(0, static_cast<int64_t>(lens.size()) * a.num_kv_heads, 1,
                    [&](int64_t begin, int64_t end) { items(a, begin, end); });
 #endif
 }
 
 bool paged_prefill_attention_fits(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
-  return query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 && fits(query, key_cache, value_cache) &&
-         key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16;
+  return query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 &&
+         kvsentry_amx::tile_shapes_fit(query, key_cache, value_cache) && key_cache.scalar_type() == at::kBFloat16 &&
+         value_cache.scalar_type() == at::kBFloat16;
 }
 
 }  // namespace

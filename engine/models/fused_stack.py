@@ -7,9 +7,9 @@ linears -- bf16 panels or oneDNN, cpu_gemm.py -- and the same kvsentry kernels),
 are the loop's bits (tests/csrc/test_decoder_layers.py).
 
 A step takes the loop instead whenever it needs what the op does not do: prefill chunks for
-SDPA (engine/ops/attention.py: neither prefill_in_kernel nor prefill_on_amx), a non-CPU or fixed-shape (CUDA-graph) step,
-a cache in another dtype, forward hooks on a layer, or `--enforce-eager` (every op from Python,
-as vLLM's flag means on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape
+SDPA (engine/ops/attention.py: neither prefill_on_amx nor prefill_in_kernel), a non-CPU or
+fixed-shape (CUDA-graph) step, a cache in another dtype, forward hooks on a layer, or
+`--enforce-eager` (every op from Python, as vLLM's flag means on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape
 never build one.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ class FusedLayerStack:
         block_size = k0.shape[1]
         prefill, amx = None, None
         if meta.num_reqs > decodes:  # the order of attention.paged_attention's paths
-            if self._prefill_on_amx(hidden.dtype, ctx):
+            if attention.prefill_on_amx(hidden.dtype, self.num_heads, self.head_dim, *ctx.kv_caches[0]):
                 amx = (meta.block_tables[decodes:meta.num_reqs], list(meta.seq_lens_cpu[decodes:meta.num_reqs]),
                        list(starts[decodes:meta.num_reqs + 1]))
             elif attention.prefill_in_kernel(meta):
@@ -132,8 +132,3 @@ class FusedLayerStack:
             first, last,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
             amx[1] if amx else None, amx[2] if amx else None)
-
-    def _prefill_on_amx(self, dtype: torch.dtype, ctx: StepContext) -> bool:
-        """attention.prefill_on_amx for this stack's shapes (the op only reads sizes and dtypes)."""
-        k, v = ctx.kv_caches[0]
-        return attention.prefill_on_amx(torch.empty(0, self.num_heads, self.head_dim, dtype=dtype), k, v)

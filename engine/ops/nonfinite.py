@@ -1,14 +1,13 @@
 """Non-finite values per (block, layer) of the paged KV cache: the NaN sentinel's scan.
 
-csrc/cpu_nonfinite.cpp on CPU (integer masks on the raw words, one pass, no float copy);
-the torch reference below elsewhere and wherever the kernel is not built. Both take the
-block-first int32 words view of the cache storage (engine/ops/checksum.py's block_words).
+csrc/cpu_nonfinite.cpp on CPU (integer masks on the raw words, one pass, no float copy),
+held to the torch reference below (tests/csrc/test_nonfinite.py). Both take the block-first
+int32 words view of the cache storage (engine/ops/checksum.py's block_words). Where the kernel
+does not take a cache, the sentinel sums floats instead (engine/worker/sentinel.py).
 """
 from __future__ import annotations
 
 import torch
-
-from engine.ops import cpu_ops
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
@@ -24,18 +23,11 @@ def nonfinite_counts_reference(words: torch.Tensor,      # [num_blocks, num_laye
     return (~torch.isfinite(values)).sum(dim=(2, 3))
 
 
-def nonfinite_counts(words: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if words.device.type == "cpu" and dtype in KINDS and cpu_ops.available():
-        return torch.ops.kvsentry.kv_block_nonfinite(words, block_ids, KINDS[dtype])
-    return nonfinite_counts_reference(words, block_ids, dtype)
-
-
-def nonfinite_counts_into(words: torch.Tensor, block_ids: list[int], dtype: torch.dtype,
-                          out: torch.Tensor,  # [>= len(block_ids), num_layers] int64, contiguous: rows 0..n-1 written
-                          ) -> int:           # their sum: 0 on a clean scan
-    """nonfinite_counts for the sentinel's per step call: one dispatch, no allocation on CPU."""
-    if words.device.type == "cpu" and dtype in KINDS and cpu_ops.available():
-        return torch.ops.kvsentry.kv_block_nonfinite_into(words, block_ids, KINDS[dtype], out)
-    counts = nonfinite_counts_reference(words, torch.tensor(block_ids, dtype=torch.int64, device=words.device), dtype)
-    out[:len(block_ids)] = counts
-    return int(counts.sum())
+def nonfinite_counts_into(words: torch.Tensor,  # [num_blocks, num_layers, chunks, words] int32, on CPU
+                          block_ids: list[int],
+                          dtype: torch.dtype,    # what the words hold, one of KINDS
+                          out: torch.Tensor,     # [>= len(block_ids), num_layers] int64, contiguous: rows 0..n-1 written
+                          ) -> int:              # their sum: 0 on a clean scan
+    """The kernel's counts for the sentinel's per step call: one dispatch, no allocation. The
+    caller checks that the kernel takes the cache (NaNSentinel.uses_kernel)."""
+    return torch.ops.kvsentry.kv_block_nonfinite_into(words, block_ids, KINDS[dtype], out)

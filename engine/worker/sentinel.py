@@ -101,36 +101,29 @@ class NaNSentinel:
                     groups.append(sorted(written))
         return groups
 
-    def _kernel_scan(self, groups: list[list[int]]) -> tuple[int, float | None]:
-        """Each group's counts into its reused output (self._outs[i][:len(group)]); returns the
-        non-finite total and the sweep window's own scan time (None without a window)."""
-        found, window_seconds = 0, None
+    def _each_group(self, groups: list[list[int]], scan) -> tuple[list, float | None]:
+        """scan(i, group) for each group; returns the results and the sweep window's own scan
+        time (the second group's, None without a window) for the time budget."""
+        results, window_seconds = [], None
         for i, group in enumerate(groups):
-            if i == len(self._outs):
-                self._outs.append(torch.zeros(0, self.num_layers, dtype=torch.int64))
-            if len(group) > self._outs[i].shape[0]:
-                self._outs[i] = torch.zeros(len(group), self.num_layers, dtype=torch.int64)
             start = time.perf_counter()
-            found += nonfinite_counts_into(self.words, group, self.dtype, self._outs[i])
+            results.append(scan(i, group))
             if i == 1 and self._window:
                 window_seconds = time.perf_counter() - start
-        return found, window_seconds
+        return results, window_seconds
+
+    def _kernel_counts(self, i: int, group: list[int]) -> int:
+        """Group i's counts into its reused output (self._outs[i][:len(group)]); their total."""
+        if i == len(self._outs):
+            self._outs.append(torch.zeros(0, self.num_layers, dtype=torch.int64))
+        if len(group) > self._outs[i].shape[0]:
+            self._outs[i] = torch.zeros(len(group), self.num_layers, dtype=torch.int64)
+        return nonfinite_counts_into(self.words, group, self.dtype, self._outs[i])
 
     def _group_blocks(self, ids: list[int]) -> torch.Tensor:  # [n, num_layers, ...]
         if ids[-1] - ids[0] + 1 == len(ids):
             return self.by_block[ids[0]:ids[-1] + 1]
         return self.by_block.index_select(0, torch.tensor(ids, device=self.by_block.device))
-
-    def _all_finite(self, groups: list[list[int]]) -> tuple[bool, float | None]:
-        """Fast path: one scalar sum per group. Returns whether all are finite, and the sweep
-        window's own scan time (None without a window) for the time budget."""
-        total, window_seconds = 0.0, None
-        for i, group in enumerate(groups):
-            start = time.perf_counter()
-            total += float(self._group_blocks(group).sum(dtype=torch.float32))
-            if i == 1 and self._window:
-                window_seconds = time.perf_counter() - start
-        return math.isfinite(total), window_seconds
 
     def step(self, written_slots: torch.Tensor | None = None, block_size: int = 1) -> list[int]:
         """Scan for this step; returns the non-null blocks newly found poisoned."""
@@ -139,18 +132,18 @@ class NaNSentinel:
         start = time.perf_counter()
         groups = self._targets(written_slots, block_size, start)
         poisoned: list[int] = []
-        ids = [b for g in groups for b in g]
         counts = None
-        window_seconds = None
         if self.uses_kernel:  # exact counts in one pass over the raw words: no float copy of the window
-            found, window_seconds = self._kernel_scan(groups)
-            dirty = self.any_counted or found > 0
+            found, window_seconds = self._each_group(groups, self._kernel_counts)
+            dirty = self.any_counted or sum(found) > 0
             if dirty:
                 counts = torch.cat([out[:len(g)] for g, out in zip(groups, self._outs)]).t()
-        else:
-            finite, window_seconds = self._all_finite(groups)
-            dirty = self.any_counted or not finite
+        else:  # fast path: one scalar float sum per group (a NaN or Inf anywhere makes it non-finite)
+            sums, window_seconds = self._each_group(
+                groups, lambda i, group: float(self._group_blocks(group).sum(dtype=torch.float32)))
+            dirty = self.any_counted or not math.isfinite(sum(sums))
         if dirty:
+            ids = [b for g in groups for b in g]
             if counts is None:
                 results = [self._scan(g) for g in groups]
                 counts = torch.cat([r if r is not None else torch.zeros(self.num_layers, len(g), dtype=torch.int64)
@@ -163,8 +156,7 @@ class NaNSentinel:
             for block in poisoned:
                 self.detections["null_block" if block == NULL_BLOCK_ID else "allocated"] += 1
             self.any_counted = bool(self.counts.any())
-        seconds = time.perf_counter() - start
-        self.scan_seconds.append(seconds)
+        self.scan_seconds.append(time.perf_counter() - start)
         if self.sweep.time_budget is not None and window_seconds is not None:
             self.sweep.time_budget.spent(window_seconds, self._window)
         return [b for b in poisoned if b != NULL_BLOCK_ID]

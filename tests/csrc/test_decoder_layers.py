@@ -82,7 +82,7 @@ def assert_fused_equals_loop(path, dtype, monkeypatch) -> EngineCore:
     fused, eager = engines(path, dtype)
     model = fused.config.model
     k, v = fused.runner.kv_caches[0]
-    loop_steps = 0 if attention.prefill_on_amx(torch.empty(0, model.num_heads, model.head_dim, dtype=dtype), k, v) else 1
+    loop_steps = 0 if attention.prefill_on_amx(dtype, model.num_heads, model.head_dim, k, v) else 1
     calls = []
     real = cpu_ops.dense_decoder_layers
     monkeypatch.setattr(cpu_ops, "dense_decoder_layers", lambda *a: (calls.append(1), real(*a))[1])
@@ -118,8 +118,7 @@ def test_amx_prefill_chunks_stay_in_the_op(kvsentry_ops, checkpoint, monkeypatch
     calls = []
     real = cpu_ops.paged_prefill_attention
     monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
-    assert attention.prefill_on_amx(torch.empty(0, 4, 32, dtype=torch.bfloat16),
-                                    torch.empty(1, 16, 2, 32, dtype=torch.bfloat16),
+    assert attention.prefill_on_amx(torch.bfloat16, 4, 32, torch.empty(1, 16, 2, 32, dtype=torch.bfloat16),
                                     torch.empty(1, 16, 2, 32, dtype=torch.bfloat16))
     assert_fused_equals_loop(path, torch.bfloat16, monkeypatch)
     assert calls, "the loop (enforce_eager) never ran the AMX prefill kernel"

@@ -62,7 +62,7 @@ def test_amx_prefill_matches_sdpa_in_bf16(checkpoint, monkeypatch, chunk):
     # same call from C++: tests/csrc/test_decoder_layers.py holds the two bitwise equal).
     amx = run(path, prompts, chunk, dtype="bfloat16", enforce_eager=True)
     assert calls, "the AMX prefill kernel never ran"
-    monkeypatch.setattr(attention, "PREFILL_AMX", False)
+    monkeypatch.setenv("KVSENTRY_DISABLE_AMX_PREFILL", "1")
     calls.clear()
     sdpa = run(path, prompts, chunk, dtype="bfloat16", enforce_eager=True)
     assert not calls
