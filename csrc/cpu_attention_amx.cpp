@@ -79,13 +79,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void value_tiles(const uint1
   if (tiles > 3) _tile_stored(3, os + d0 + 48, o_bytes);
 }
 
-// Ask for a block's rows of one head ahead of use: table order is arbitrary, so the hardware
-// prefetcher cannot follow it (the vector kernel does the same).
-inline void prefetch_block(const c10::BFloat16* rows, int64_t n, int64_t row_stride, int64_t dim) {
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t d = 0; d < dim; d += 32) __builtin_prefetch(rows + t * row_stride + d);
-  }
-}
+constexpr int64_t kAheadItems = 2;  // how far ahead an item's blocks are first touched
 
 struct Args : PagedTensors {
   const int64_t* lens;
@@ -136,11 +130,21 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
       const int64_t pos = tile * kTile, j = pos / a.block_size;
       return a.kc + static_cast<int64_t>(table[j * a.ts1]) * a.ks0 + h * a.ks2 + (pos - j * a.block_size) * a.ks1;
     };
-    for (int64_t j = 0; j < reads; ++j) {  // ask for every block's K and V rows first
-      prefetch_block(a.kc + static_cast<int64_t>(table[j * a.ts1]) * a.ks0 + h * a.ks2, a.block_size, a.ks1,
-                     a.head_dim);
-      prefetch_block(a.vc + static_cast<int64_t>(table[j * a.ts1]) * a.vs0 + h * a.vs2, a.block_size, a.vs1,
-                     a.v_dim);
+    // The item two ahead: one line of each of its block-heads (K and V). Each block-head is
+    // 2 KB contiguous, which the hardware prefetcher streams once touched; what it cannot do
+    // is start the stream, nor the page walk (blocks lie anywhere in a 36 MB layer). Touching
+    // every line of the item's own blocks up front, as this kernel did, stalled on full miss
+    // queues. Measured at batch 64 x 140 tokens over 30 layers of random blocks, 1 core Xeon:
+    // ~15-20% faster than no prefetch, and than the all-lines prefetch.
+    if (item + kAheadItems < end) {
+      const int64_t ab = (item + kAheadItems) / a.num_kv_heads, ah = (item + kAheadItems) % a.num_kv_heads;
+      const int32_t* atable = a.tables + ab * a.ts0;
+      const int64_t areads = a.reads != nullptr ? a.reads[ab] : a.num_read;
+      for (int64_t j = 0; j < areads; ++j) {
+        const int64_t block = atable[j * a.ts1];
+        _mm_prefetch(reinterpret_cast<const char*>(a.kc + block * a.ks0 + ah * a.ks2), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.vc + block * a.vs0 + ah * a.vs2), _MM_HINT_T0);
+      }
     }
     for (int64_t t = 0; t < live_tiles; t += 2) {
       const bool two = t + 1 < live_tiles;

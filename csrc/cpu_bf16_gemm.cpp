@@ -23,7 +23,9 @@
 // On CPUs with AMX (Intel Sapphire Rapids and later) the same panels are AMX B tiles as they
 // lie: 16 pairs of K by 16 outputs, rows 256 bytes apart. Four C tiles hold 16 rows x 64
 // outputs; each block of 32 K loads one A tile of x and the panel's four B tiles in address
-// order, so the weight is still one contiguous stream (prefetched two blocks ahead). On a
+// order, so the weight is still one contiguous stream, left to the hardware prefetcher: software
+// prefetches of it (two blocks ahead, or spread over the row tiles into L2) measured 5-20%
+// slower at 1-128 rows on a 1-core Xeon, their instructions stalling on full miss queues. On a
 // 1-core Xeon with AMX, oneDNN's AMX kernels read a decode step's weights at ~50-60% of the
 // memory bandwidth and these tiles 1.43x faster at 1 row, 1.37x at 8, 1.12x at 64; from ~128
 // rows oneDNN's blocking is faster (1.1 vs 0.6 TFLOP/s at 1024 rows), so
@@ -133,17 +135,14 @@ TileConfig tile_config(int64_t rows) { return TileConfig({rows, rows, rows, rows
 constexpr int64_t kOutBytes = kPanel * 4;       // bytes per acc row: one panel's float32 outputs
 constexpr int64_t kPairBytes = 2 * kPanel * 2;  // bytes per pair of K in a panel
 constexpr int64_t kBlockBytes = kDepth * kPairBytes;
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead a streamed panel is asked for
 constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for more than 16 rows
 constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
 
 // C [rows, 64] (+)= x[:, blocks b0..b1) . panel for the rows the loaded config was made for,
 // starting from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`.
-// `stream`: the first block of rows over these blocks reads them from memory: the blocks
-// ahead are prefetched (the later blocks of rows find them in L1).
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_t* x, int64_t x_bytes,
                                                                    const uint16_t* panel, int64_t b0, int64_t b1,
-                                                                   bool first, bool stream, float* acc) {
+                                                                   bool first, float* acc) {
   if (first) {
     _tile_zero(0);
     _tile_zero(1);
@@ -158,11 +157,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_
   const char* w = reinterpret_cast<const char*>(panel) + b0 * kBlockBytes;
   const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
   for (int64_t b = b0; b < b1; ++b, w += kBlockBytes, a += 4 * kDepth) {
-    if (stream) {  // the panel comes from memory once: ask for the blocks two ahead (4 KB each)
-      for (int64_t line = 0; line < kBlockBytes; line += 64) {
-        _mm_prefetch(w + kPrefetchBlocks * kBlockBytes + line, _MM_HINT_T0);
-      }
-    }
     _tile_loadd(4, a, x_bytes);
     _tile_loadd(5, w, kPairBytes);
     _tile_dpbf16ps(0, 4, 5);
@@ -225,7 +219,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
         const int64_t b1 = std::min(blocks, b0 + chunk);
         for (int64_t r = r0; r < r1; r += kTileRows) {
           configure(loaded, std::min(kTileRows, r1 - r));
-          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, r == r0, acc + (r - r0) * kPanel);
+          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, acc + (r - r0) * kPanel);
         }
       }
       amx_store(acc, r1 - r0, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, std::min(kPanel, n - col));
