@@ -40,7 +40,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rsqrt.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -205,7 +205,13 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
   const LayerOps& ops = layer_ops();
   const int64_t tokens = hidden_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const bool qk_norm = !qk_norms.empty();
+  // Rows no attention call writes, zeroed (padding rows stay zero, as paged_attention leaves
+  // them): past the last decode or prefill row, and any gap between the two. (With
+  // prefill_amx_*, prefill_first and prefill_last still bound the prefill rows.)
+  const int64_t covered = std::max(num_decodes, prefill_last);
+  const int64_t gap_end = prefill_last > prefill_first ? prefill_first : num_decodes;
   Tensor hidden = hidden_in;
+  Tensor mlp;  // the previous layer's MLP output, added into the residual by the next norm
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const Tensor* w = &weights[6 * l];
     const OptTensor b[4] = {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2), biases.get(4 * l + 3)};
@@ -213,7 +219,15 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
     Tensor k_cache = k_caches[l];  // a handle: the op writes the cache's storage
     Tensor v_cache = v_caches[l];
     // Attention (engine/models/llama.py, Attention.forward)
-    const Tensor qkv = ops.linear(ops.rms_norm.call(hidden, w[0], eps), w[1], b[0], n[0]);
+    // The MLP's residual add fused into this layer's input norm: add_rms_norm's sum and norm
+    // are bitwise at::add then rms_norm (tests/csrc/test_fused_ops.py), one pass instead of two.
+    Tensor normed_in;
+    if (mlp.defined()) {
+      std::tie(normed_in, hidden) = ops.add_rms_norm.call(mlp, hidden, w[0], eps);
+    } else {
+      normed_in = ops.rms_norm.call(hidden, w[0], eps);
+    }
+    const Tensor qkv = ops.linear(normed_in, w[1], b[0], n[0]);
     Tensor q = qkv.narrow(1, 0, q_size).reshape({tokens, num_heads, head_dim});
     Tensor k = qkv.narrow(1, q_size, kv_size).reshape({tokens, num_kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({tokens, num_kv_heads, head_dim});
@@ -225,7 +239,9 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
     ops.write_kv.call(contiguous_rows(k), contiguous_rows(v), k_cache, v_cache, slot_mapping, null_block_writes,
                       std::nullopt);
     // paged_attention (engine/ops/attention.py): padding rows stay zero.
-    Tensor out = at::zeros({tokens, num_heads, v_cache.size(-1)}, q.options());
+    Tensor out = at::empty({tokens, num_heads, v_cache.size(-1)}, q.options());
+    if (covered < tokens) out.narrow(0, covered, tokens - covered).zero_();
+    if (gap_end > num_decodes) out.narrow(0, num_decodes, gap_end - num_decodes).zero_();
     if (num_decodes > 0) {
       Tensor rows = out.narrow(0, 0, num_decodes);
       ops.attention.call(rows, q.narrow(0, 0, num_decodes), k_cache, v_cache, *decode_tables, *decode_seq_lens,
@@ -243,10 +259,9 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
     // DecoderLayer.forward: the residual add fused into the post-attention norm, then the MLP.
     Tensor normed;
     std::tie(normed, hidden) = ops.add_rms_norm.call(attn, hidden, w[3], eps);
-    const Tensor mlp = ops.linear(ops.silu_and_mul.call(ops.linear(normed, w[4], b[2], n[2])), w[5], b[3], n[3]);
-    hidden = at::add(hidden, mlp);
+    mlp = ops.linear(ops.silu_and_mul.call(ops.linear(normed, w[4], b[2], n[2])), w[5], b[3], n[3]);
   }
-  return hidden;
+  return mlp.defined() ? at::add(hidden, mlp) : hidden;
 }
 
 }  // namespace

@@ -276,7 +276,10 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
         return flex_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
                                                      meta.seq_lens, scale)
     num_heads = query.shape[1]
-    out = query.new_zeros(query.shape[0], num_heads, value_cache.shape[-1])
+    # Rows [0, starts[num_reqs]) are all written below (decodes, then every prefill chunk);
+    # only the padding rows past them are zeroed.
+    out = query.new_empty(query.shape[0], num_heads, value_cache.shape[-1])
+    out[meta.query_start_loc_cpu[meta.num_reqs] if meta.num_reqs else 0:].zero_()
     if meta.num_reqs == 0:
         return out
     block_size = key_cache.shape[1]
