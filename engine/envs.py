@@ -30,6 +30,7 @@ VARIABLES = (
            "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_DISABLE_AMX_PREFILL", "=1: on AMX CPUs, bf16 prefill attention skips the AMX prefill kernel "
            "(the decode kernel's rows or SDPA instead)"),
+    EnvVar("KVSENTRY_DEFAULT_MALLOC", "=1: leave glibc's malloc settings alone (engine/worker/host_memory.py)"),
     EnvVar("KVSENTRY_REQUIRE_CPU_OPS", "=1: a failed CPU kernel build is an error, never a fallback"),
     EnvVar("KVSENTRY_DISABLE_CUDA_OPS", "=1: never use the CUDA kernels (the torch reference runs)"),
     EnvVar("KVSENTRY_REQUIRE_CUDA_OPS", "=1: a failed CUDA kernel build is an error, never a fallback"),
@@ -52,6 +53,10 @@ def disable_amx_panels() -> bool:
 
 def disable_amx_prefill() -> bool:
     return _flag("KVSENTRY_DISABLE_AMX_PREFILL")
+
+
+def default_malloc() -> bool:
+    return _flag("KVSENTRY_DEFAULT_MALLOC")
 
 
 def api_key() -> str | None:

@@ -17,6 +17,7 @@ from engine.worker.model_runner import ModelRunner, RunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.validation import validate_request
+from engine.worker import host_memory
 from engine.worker.checksums import BlockChecksums
 from engine.worker.sentinel import NaNSentinel
 from engine.structured.grammar import GrammarCompiler, compiler_for_model
@@ -30,6 +31,8 @@ class EngineCore:
         self.rank = config.parallel.data_parallel_rank
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            host_memory.keep_freed_memory()  # activations reuse heap pages instead of faulting them in
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config)
         self.sentinel = NaNSentinel(config, self.runner.kv_storage)
