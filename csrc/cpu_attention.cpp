@@ -45,6 +45,7 @@
 #include "cpu_amx.h"
 #include "cpu_attention_amx.h"
 #include "cpu_fast_exp.h"
+#include "cpu_paged_prefetch.h"
 
 namespace {
 
@@ -256,27 +257,6 @@ inline void prefetch_rows(const scalar_t* block, int64_t rows, int64_t row_strid
   }
 }
 
-// Before an item starts, the item kAheadItems later gets one line of each of its block-heads
-// (K and V) asked for: that starts the hardware prefetcher's stream in each and the page walk
-// to it (a layer's blocks span tens of MB), which the per-block prefetch one block ahead
-// leaves to the first block. Batch 64 x 140 tokens over 30 layers of random blocks, 1-core
-// Xeon: float32 ~18% faster.
-constexpr int64_t kAheadItems = 2;
-
-template <typename scalar_t>
-inline void touch_blocks_ahead(int64_t item, int64_t end, int64_t num_kv_heads, const int32_t* tables, int64_t ts0,
-                               int64_t ts1, const int32_t* read_blocks, int64_t num_read, const scalar_t* kc,
-                               int64_t ks0, int64_t ks2, const scalar_t* vc, int64_t vs0, int64_t vs2) {
-  if (item >= end) return;
-  const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-  const int64_t reads = read_blocks != nullptr ? read_blocks[b] : num_read;
-  for (int64_t j = 0; j < reads; ++j) {
-    const int64_t block = tables[b * ts0 + j * ts1];
-    __builtin_prefetch(kc + block * ks0 + h * ks2);
-    __builtin_prefetch(vc + block * vs0 + h * vs2);
-  }
-}
-
 // 64-byte aligned float scratch, so the wide path may view it as vf16 chunks.
 struct Scratch {
   explicit Scratch(int64_t n) : data(static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64 + 64))) {}
@@ -399,8 +379,8 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       const int64_t len = lens[b];
       const int64_t reads = read_blocks != nullptr ? read_blocks[b] : num_read;  // this row's table entries
       const int64_t row_span = reads * block_size;
-      touch_blocks_ahead(item + kAheadItems, end, num_kv_heads, tables, ts0, ts1, read_blocks, num_read, kc, ks0,
-                         ks2, vc, vs0, vs2);
+      kvsentry_paged::touch_blocks_ahead(item, end, num_kv_heads, tables, ts0, ts1, read_blocks, num_read, kc, ks0,
+                                         ks2, vc, vs0, vs2);
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + b * qs0 + (h * group + g) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);

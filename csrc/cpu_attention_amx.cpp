@@ -37,6 +37,7 @@
 #include "cpu_attention_amx.h"
 #include "cpu_attention_amx_tiles.h"
 #include "cpu_fast_exp.h"
+#include "cpu_paged_prefetch.h"
 
 namespace kvsentry_amx {
 
@@ -78,8 +79,6 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void value_tiles(const uint1
   if (tiles > 2) _tile_stored(2, os + d0 + 32, o_bytes);
   if (tiles > 3) _tile_stored(3, os + d0 + 48, o_bytes);
 }
-
-constexpr int64_t kAheadItems = 2;  // how far ahead an item's blocks are first touched
 
 struct Args : PagedTensors {
   const int64_t* lens;
@@ -130,22 +129,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
       const int64_t pos = tile * kTile, j = pos / a.block_size;
       return a.kc + static_cast<int64_t>(table[j * a.ts1]) * a.ks0 + h * a.ks2 + (pos - j * a.block_size) * a.ks1;
     };
-    // The item two ahead: one line of each of its block-heads (K and V). Each block-head is
-    // 2 KB contiguous, which the hardware prefetcher streams once touched; what it cannot do
-    // is start the stream, nor the page walk (blocks lie anywhere in a 36 MB layer). Touching
-    // every line of the item's own blocks up front, as this kernel did, stalled on full miss
-    // queues. Measured at batch 64 x 140 tokens over 30 layers of random blocks, 1 core Xeon:
-    // ~15-20% faster than no prefetch, and than the all-lines prefetch.
-    if (item + kAheadItems < end) {
-      const int64_t ab = (item + kAheadItems) / a.num_kv_heads, ah = (item + kAheadItems) % a.num_kv_heads;
-      const int32_t* atable = a.tables + ab * a.ts0;
-      const int64_t areads = a.reads != nullptr ? a.reads[ab] : a.num_read;
-      for (int64_t j = 0; j < areads; ++j) {
-        const int64_t block = atable[j * a.ts1];
-        _mm_prefetch(reinterpret_cast<const char*>(a.kc + block * a.ks0 + ah * a.ks2), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(a.vc + block * a.vs0 + ah * a.vs2), _MM_HINT_T0);
-      }
-    }
+    kvsentry_paged::touch_blocks_ahead(item, end, a.num_kv_heads, a.tables, a.ts0, a.ts1, a.reads, a.num_read, a.kc,
+                                       a.ks0, a.ks2, a.vc, a.vs0, a.vs2);
     for (int64_t t = 0; t < live_tiles; t += 2) {
       const bool two = t + 1 < live_tiles;
       score_tiles(key_rows(t), two ? key_rows(t + 1) : nullptr, a.ks1 * 2, blocks, &cs[t * kTile * kTile],

@@ -106,18 +106,22 @@ class FusedLayerStack:
             return None
         decodes, starts = meta.num_decodes, meta.query_start_loc_cpu
         block_size = k0.shape[1]
-        prefill, amx = None, None
+        # The prefill rows' arguments: the kernel's rows (a PrefillPlan), or on AMX one table row,
+        # length and query start per request.
+        prefill, prefill_tables, amx_lens, amx_starts = None, None, None, None
         if meta.num_reqs > decodes:  # the order of attention.paged_attention's paths
             if attention.prefill_on_amx(hidden.dtype, self.num_heads, self.head_dim, *ctx.kv_caches[0]):
-                amx = (meta.block_tables[decodes:meta.num_reqs], list(meta.seq_lens_cpu[decodes:meta.num_reqs]),
-                       list(starts[decodes:meta.num_reqs + 1]))
+                prefill_tables = meta.block_tables[decodes:meta.num_reqs]
+                amx_lens = list(meta.seq_lens_cpu[decodes:meta.num_reqs])
+                amx_starts = list(starts[decodes:meta.num_reqs + 1])
             elif attention.prefill_in_kernel(meta):
                 prefill = meta.prefill_plan(block_size, hidden.device)
+                prefill_tables = prefill.tables
             else:
                 return None  # those chunks go through SDPA, in the loop
         decode = meta.decode_plan(block_size, hidden.device) if decodes else None
         slots = ctx.write_guard.check(meta.slot_mapping) if ctx.write_guard is not None else meta.slot_mapping
-        first, last = (starts[decodes], starts[meta.num_reqs]) if prefill is not None or amx else (decodes, decodes)
+        first, last = (starts[decodes], starts[meta.num_reqs]) if prefill_tables is not None else (decodes, decodes)
         small = self.panel_rows is None or hidden.shape[0] <= self.panel_rows  # the step's tokens
         return cpu_ops.dense_decoder_layers(
             hidden, positions, self.panel_weights if small else self.weights, self.biases, self.out_features,
@@ -126,9 +130,8 @@ class FusedLayerStack:
             slots, ctx.null_block_writes,
             meta.block_tables if decode is not None else None, meta.seq_lens if decode is not None else None,
             decode.reads if decode is not None else None, decode.num_read if decode is not None else 0, decodes,
-            prefill.tables if prefill is not None else amx[0] if amx else None,
-            prefill.seq_lens if prefill is not None else None,
+            prefill_tables, prefill.seq_lens if prefill is not None else None,
             prefill.reads if prefill is not None else None, prefill.num_read if prefill is not None else 0,
             first, last,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            amx[1] if amx else None, amx[2] if amx else None)
+            amx_lens, amx_starts)

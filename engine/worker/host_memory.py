@@ -6,7 +6,7 @@ its trim threshold. A CPU step allocates and frees tens of MB of activations -- 
 prefill of the default model allocates its 12 MB gate/up output 30 times -- so every step
 page-faulted the same memory back in: ~50,000 minor faults (and as many zeroed pages) per
 prefill step, 10-15% of it on a 1-core Xeon. With the threshold at its ceiling (32 MiB) and
-the trim threshold at 2 GiB, those blocks come from the heap and stay mapped: 0-2,000 faults per step.
+the trim threshold at 2 GiB, those blocks come from the heap and stay mapped: 0-3,000 faults per step.
 
 The cost is that the rank's resident memory stays at its peak of activations instead of
 shrinking between steps, which a server sized for its peak already budgets. vLLM's CPU docs

@@ -138,10 +138,12 @@ class NaNSentinel:
             dirty = self.any_counted or sum(found) > 0
             if dirty:
                 counts = torch.cat([out[:len(g)] for g, out in zip(groups, self._outs)]).t()
-        else:  # fast path: one scalar float sum per group (a NaN or Inf anywhere makes it non-finite)
+        else:  # fast path: one scalar float sum per group (a NaN or Inf anywhere makes it non-finite),
+            # read back once for the step: one host sync on a GPU (where the window's time is then
+            # its launches only, and the budget lets the window grow to its cap)
             sums, window_seconds = self._each_group(
-                groups, lambda i, group: float(self._group_blocks(group).sum(dtype=torch.float32)))
-            dirty = self.any_counted or not math.isfinite(sum(sums))
+                groups, lambda i, group: self._group_blocks(group).sum(dtype=torch.float32))
+            dirty = self.any_counted or not math.isfinite(float(sum(sums)))
         if dirty:
             ids = [b for g in groups for b in g]
             if counts is None:
