@@ -10,7 +10,8 @@
 //     positions    [T] int64
 //     weights      6 per layer: input norm [N], q|k|v packed, o packed, post-attention norm [N],
 //                  gate|up packed, down packed (engine/models/cpu_gemm.py's PackedLinear): each
-//                  linear is oneDNN's packed weight or bf16_gemm's panels (csrc/cpu_bf16_gemm.cpp)
+//                  linear is oneDNN's packed weight or panels: bf16_gemm's (csrc/cpu_bf16_gemm.cpp)
+//                  or f32_gemm's (csrc/cpu_f32_gemm.cpp)
 //     biases       4 per layer (None where the layer has none): q|k|v, o, gate|up, down
 //     out_features 4 per layer: the linears' output widths (panels are padded to 64)
 //     qk_norms     2 per layer (Qwen3's per-head q and k norms [D]) or none at all
@@ -62,7 +63,9 @@ struct LayerOps {
                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
   c10::OperatorHandle linear_boxed;
   std::optional<c10::TypedOperatorHandle<LinearSig>> linear_typed;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)> panel_gemm;
+  using PanelSig = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t);
+  c10::TypedOperatorHandle<PanelSig> panel_gemm;      // bf16 panels
+  c10::TypedOperatorHandle<PanelSig> f32_panel_gemm;  // float32 panels
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
       add_rms_norm;
@@ -86,7 +89,8 @@ struct LayerOps {
 
   LayerOps()
       : linear_boxed(find("mkldnn::_linear_pointwise")),
-        panel_gemm(find("kvsentry::bf16_gemm").typed<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>()),
+        panel_gemm(find("kvsentry::bf16_gemm").typed<PanelSig>()),
+        f32_panel_gemm(find("kvsentry::f32_gemm").typed<PanelSig>()),
         rms_norm(find("kvsentry::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double)>()),
         add_rms_norm(find("kvsentry::add_rms_norm")
                          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>()),
@@ -110,11 +114,15 @@ struct LayerOps {
     }
   }
 
-  // PackedLinear.__call__: bf16_gemm(x, panels, bias, out_features) for panels (a plain 4-d
-  // tensor), else mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
+  // PackedLinear.__call__: bf16_gemm(x, panels, bias, out_features) for bf16 panels (a plain
+  // 4-d tensor), f32_gemm for float32 panels (a plain 3-d tensor), else
+  // mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
   Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
     if (!weight.is_mkldnn() && weight.dim() == 4) {
       return panel_gemm.call(x, weight, bias, out_features);
+    }
+    if (!weight.is_mkldnn() && weight.dim() == 3) {
+      return f32_panel_gemm.call(x, weight, bias, out_features);
     }
     if (linear_typed.has_value()) {
       c10::List<std::optional<c10::Scalar>> scalars;

@@ -28,6 +28,8 @@ VARIABLES = (
     EnvVar("KVSENTRY_DISABLE_CPU_OPS", "=1: never use the CPU kernels (the torch reference runs)"),
     EnvVar("KVSENTRY_DISABLE_AMX_PANELS", "=1: on AMX CPUs, bf16 linears keep oneDNN's weight alone "
            "(no second, panel copy for decode-sized steps)"),
+    EnvVar("KVSENTRY_DISABLE_F32_PANELS", "=1: float32 linears keep oneDNN's weight alone "
+           "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_DISABLE_AMX_PREFILL", "=1: on AMX CPUs, bf16 prefill attention skips the AMX prefill kernel "
            "(the decode kernel's rows or SDPA instead)"),
     EnvVar("KVSENTRY_DEFAULT_MALLOC", "=1: leave glibc's malloc settings alone (engine/worker/host_memory.py)"),
@@ -49,6 +51,10 @@ def _flag(name: str) -> bool:
 
 def disable_amx_panels() -> bool:
     return _flag("KVSENTRY_DISABLE_AMX_PANELS")
+
+
+def disable_f32_panels() -> bool:
+    return _flag("KVSENTRY_DISABLE_F32_PANELS")
 
 
 def disable_amx_prefill() -> bool:

@@ -110,7 +110,7 @@ def test_environment_read_in_one_module():
                  if path.name != "envs.py" and pattern.search(path.read_text())]
     assert not offenders, f"KVSENTRY_* read outside engine/envs.py: {offenders}"
     from engine import envs
-    mentioned = set(re.findall(r"(?<!-D)KVSENTRY_[A-Z_]+", "".join(p.read_text() for p in _modules().values())))
+    mentioned = set(re.findall(r"(?<!-D)KVSENTRY_[A-Z0-9_]+", "".join(p.read_text() for p in _modules().values())))
     declared = {v.name for v in envs.VARIABLES}
     assert mentioned <= declared, f"undeclared in engine/envs.py: {sorted(mentioned - declared)}"
 

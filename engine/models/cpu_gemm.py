@@ -24,6 +24,12 @@ kept (the linears' bf16 weights twice; KVSENTRY_DISABLE_AMX_PANELS=1 keeps oneDN
 one Xeon core, the default model's 30 layers: 1.43x oneDNN at 1 row, 1.37x at 8, 1.19x at 32,
 1.12x at 64, but 0.88x at 128 and 0.55x at 1024 rows, where oneDNN's blocking reaches 1.1-1.2
 TFLOP/s.
+
+float32 on CPUs with AVX-512: steps of up to F32_PANEL_MAX_ROWS rows go through
+csrc/cpu_f32_gemm.cpp's 64-output panels, oneDNN beyond, both copies kept
+(KVSENTRY_DISABLE_F32_PANELS=1 keeps oneDNN's alone, half the memory). On one Xeon core, the
+default model's 30 layers: 1.31x oneDNN at 1 row (12.6 vs 9.7 GB/s of the weights), 1.16x at
+8, 1.13x at 32, 1.08x at 64, 0.94x at 128 and 0.97x at 1024 rows.
 """
 from __future__ import annotations
 
@@ -35,21 +41,29 @@ from engine.ops import cpu_ops
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the AMX panels run a bf16 linear where oneDNN is there too (see above).
 AMX_PANEL_MAX_ROWS = 64
+# Rows up to which the float32 panels run a float32 linear (oneDNN beyond; see above).
+F32_PANEL_MAX_ROWS = 64
 
 
 def panels_supported(weight: torch.Tensor) -> bool:
-    """Whether a linear of `weight` can run through the bf16 panel GEMM (csrc/cpu_bf16_gemm.cpp)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    """Whether a linear of `weight` can run through panels: csrc/cpu_bf16_gemm.cpp for bf16
+    (AVX512-BF16), csrc/cpu_f32_gemm.cpp for float32 (AVX-512F)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not cpu_ops.available():
         return False
-    if not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "bf16_gemm_kernels"):
-        return False
-    return bool(torch.ops.kvsentry.bf16_gemm_supported())
+    if weight.dtype == torch.bfloat16:
+        return hasattr(torch.ops.kvsentry, "bf16_gemm_kernels") and bool(torch.ops.kvsentry.bf16_gemm_supported())
+    if weight.dtype == torch.float32:
+        return hasattr(torch.ops.kvsentry, "f32_gemm") and bool(torch.ops.kvsentry.f32_gemm_supported())
+    return False
 
 
-def panel_max_rows() -> int | None:
-    """The most rows a bf16 linear sends to its panels when oneDNN holds a copy too:
-    AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere;
-    0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone."""
+def panel_max_rows(dtype: torch.dtype) -> int | None:
+    """The most rows a linear of `dtype` sends to its panels when oneDNN holds a copy too.
+    bf16: AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere,
+    0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone. float32: F32_PANEL_MAX_ROWS, or 0
+    where KVSENTRY_DISABLE_F32_PANELS keeps oneDNN alone."""
+    if dtype == torch.float32:
+        return 0 if envs.disable_f32_panels() else F32_PANEL_MAX_ROWS
     if "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
         return None
     return 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
@@ -68,8 +82,8 @@ def onednn_supports(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W^T + b with W [out, in] packed once: in bf16 panels (panels_supported), for
-    oneDNN, or both (AMX: panels up to `panel_max_rows` rows, oneDNN beyond); falls back to a
+    """y = x @ W^T + b with W [out, in] packed once: in panels (panels_supported), for
+    oneDNN, or both (AMX bf16, float32: panels up to `panel_max_rows` rows, oneDNN beyond); falls back to a
     contiguous W^T and addmm/matmul where neither is usable. Immutable after construction."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -77,14 +91,19 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         panels = panels_supported(weight)
-        limit = panel_max_rows() if panels else 0
+        limit = panel_max_rows(weight.dtype) if panels else 0
         self.onednn = onednn_supports(weight) and limit is not None  # None: the panels serve every size
         if panels and not self.onednn:
             limit = None  # no oneDNN copy: the panels run every size
         # Rows up to which a call runs through the panels (None: every size).
         self.panel_max_rows: int | None = limit
-        # [ceil(out / 64), 16 ceil(in / 32), 64, 2] bf16, or None: see panels_supported.
-        self.panels = torch.ops.kvsentry.bf16_gemm_pack(weight) if panels and limit != 0 else None
+        # bf16: [ceil(out / 64), 16 ceil(in / 32), 64, 2]; float32: [ceil(out / 64), in, 64];
+        # or None: see panels_supported.
+        self.panels = None
+        if panels and limit != 0:
+            f32 = weight.dtype == torch.float32
+            self.panels = (torch.ops.kvsentry.f32_gemm_pack if f32 else torch.ops.kvsentry.bf16_gemm_pack)(weight)
+            self._panel_gemm = torch.ops.kvsentry.f32_gemm if f32 else torch.ops.kvsentry.bf16_gemm
         if self.onednn:
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -97,8 +116,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.uses_panels(x.numel() // self.in_features):
-            out = torch.ops.kvsentry.bf16_gemm(x.reshape(-1, self.in_features), self.panels, self.bias,
-                                               self.out_features)
+            out = self._panel_gemm(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")

@@ -3,7 +3,7 @@
 The Python layer loop (engine/models/llama.py) issues ~15 ops per layer; for a 30-layer
 model at batch 1 that was ~2.4 ms of interpreter and dispatch in a 12.4 ms bf16 decode step
 (1-core Zen 5). The op runs the same loop in C++, op for op through the dispatcher (the same
-linears -- bf16 panels or oneDNN, cpu_gemm.py -- and the same kvsentry kernels), so its results
+linears -- panels or oneDNN, cpu_gemm.py -- and the same kvsentry kernels), so its results
 are the loop's bits (tests/csrc/test_decoder_layers.py).
 
 A step takes the loop instead whenever it needs what the op does not do: prefill chunks for
@@ -40,11 +40,12 @@ class FusedLayerStack:
         self.eps = layers[0].input_layernorm.eps
         self.cos, self.sin = first.rotary.cos, first.rotary.sin
         # Norms and the linears' weights for steps of more than `panel_rows` tokens (oneDNN's
-        # where there is one, else the bf16 panels), and for steps of up to `panel_rows` tokens
+        # where there is one, else the panels), and for steps of up to `panel_rows` tokens
         # (the panels where there are any): PackedLinear.uses_panels' choice, made per step.
         self.weights: list[torch.Tensor] = []
         self.panel_weights: list[torch.Tensor] = []
-        # One limit for all (cpu_gemm.AMX_PANEL_MAX_ROWS); None: no linear holds both copies.
+        # One limit for all (cpu_gemm.AMX_PANEL_MAX_ROWS or F32_PANEL_MAX_ROWS); None: no linear
+        # holds both copies.
         limits = {linear.panel_max_rows for layer in layers for linear in _linears(layer)
                   if linear.panels is not None and linear.onednn}
         assert len(limits) <= 1, limits

@@ -93,7 +93,7 @@ def test_bf16_linear_with_both_copies_picks_by_rows(monkeypatch):
     from engine.models import cpu_gemm
     if not _panels_and_onednn():
         pytest.skip("no bf16 panels or no oneDNN bf16 here: a linear holds one copy")
-    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda: 8)
+    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda dtype: 8)
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(96, 80, generator=gen) * 0.2).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16()
@@ -129,3 +129,33 @@ def test_panel_copies_follow_the_cpu_and_the_switch(monkeypatch):
     else:
         assert packed.panels is not None and not packed.onednn and packed.panel_max_rows is None
         assert packed.uses_panels(4096)
+
+
+def test_float32_linear_keeps_both_copies_and_picks_by_rows(monkeypatch):
+    """float32 on CPUs with AVX-512F: panels (csrc/cpu_f32_gemm.cpp) up to F32_PANEL_MAX_ROWS
+    rows, oneDNN's weight beyond, each bit for bit what that kernel computes alone and both
+    near F.linear; KVSENTRY_DISABLE_F32_PANELS=1 keeps oneDNN's weight alone."""
+    from engine.models import cpu_gemm
+    weight = torch.zeros(64, 32)
+    if not (cpu_gemm.panels_supported(weight) and cpu_gemm.onednn_supports(weight)):
+        pytest.skip("no float32 panels (AVX-512F) or no oneDNN here: a linear holds one copy")
+    limit = cpu_gemm.F32_PANEL_MAX_ROWS
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 80, generator=gen) * 0.2
+    bias = torch.randn(96, generator=gen)
+    packed = PackedLinear(weight, bias)
+    assert packed.onednn and packed.panels is not None and packed.panel_max_rows == limit
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    for rows in (1, 5, limit, limit + 1, 200):
+        x = torch.randn(rows, 80, generator=gen)
+        out = packed(x)
+        if rows <= limit:
+            assert packed.uses_panels(rows)
+            assert torch.equal(out, torch.ops.kvsentry.f32_gemm(x, packed.panels, bias, 96))
+        else:
+            assert not packed.uses_panels(rows)
+            assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [None], ""))
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("KVSENTRY_DISABLE_F32_PANELS", "1")
+    alone = PackedLinear(weight, bias)
+    assert alone.panels is None and alone.onednn and not alone.uses_panels(1)
