@@ -13,7 +13,8 @@
 // 1-core Xeon, where the memory gives ~13-15 GB/s to one core. Here a panel of 64 outputs is
 // one contiguous stream of 256 bytes (4 cache lines) per K, multiplied into a 6 x 4 register
 // tile of float32 accumulators by the x row's broadcast: memory bound up to ~6 rows and near
-// the FMA peak beyond, the panel staying in L2 across row tiles. From some tens of rows
+// the FMA peak beyond, the panel staying in L2 across row tiles. A single row walks four
+// panels at once (four streams in flight). From some tens of rows
 // oneDNN's blocking is faster; engine/models/cpu_gemm.py sends those to oneDNN
 // (F32_PANEL_MAX_ROWS).
 //
@@ -45,6 +46,9 @@ constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays 
 // stream: on a 1-core Xeon, 30 layers at 4 rows 44 -> 39 ms, at 8 rows 55 -> 46 ms (1024 and
 // 4096 bytes measured the same). One row streams faster without it (32 vs 33-35 ms).
 constexpr int64_t kPrefetchBytes = 2048;
+// Panels a single row walks at once, one stream each: 30 layers at 1 row 29-31 -> 28-28.6 ms
+// on a 1-core Xeon (2 and 3 measured in between).
+constexpr int kRowPanels = 4;
 
 #if defined(__AVX512F__)
 bool supported() {
@@ -88,6 +92,35 @@ __attribute__((target("avx512f"))) void tile(const float* x, int64_t xs, const f
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ys + 16 * j, mask, _mm512_add_ps(acc[r][j], b));
+  }
+}
+
+// One row of x against P panels at once: P streams in flight instead of one (see kRowPanels).
+template <int P>
+__attribute__((target("avx512f"))) void row_panels(const float* x, const float* panel, int64_t k,
+                                                   const float* bias, float* y, int64_t width) {
+  __m512 acc[P][4];
+  for (int q = 0; q < P; ++q) {
+    for (int j = 0; j < 4; ++j) acc[q][j] = _mm512_setzero_ps();
+  }
+  const int64_t stride = k * kPanel;  // floats from one panel to the next
+  for (int64_t p = 0; p < k; ++p, panel += kPanel) {
+    const __m512 xb = _mm512_set1_ps(x[p]);
+    for (int q = 0; q < P; ++q) {
+      for (int j = 0; j < 4; ++j) {
+        acc[q][j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + q * stride + 16 * j), acc[q][j]);
+      }
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t left = width - kPanel * q - 16 * j;
+      if (left <= 0) return;
+      const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 b =
+          bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + kPanel * q + 16 * j) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(y + kPanel * q + 16 * j, mask, _mm512_add_ps(acc[q][j], b));
+    }
   }
 }
 
@@ -141,6 +174,20 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   // Threads split the panels; each walks its panels once per chunk of rows.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    if (m == 1) {  // see kRowPanels
+      int64_t panel = begin;
+      for (; panel + kRowPanels <= end; panel += kRowPanels) {
+        const int64_t col = panel * kPanel;
+        row_panels<kRowPanels>(xp, wp + panel * k * kPanel, k, bp != nullptr ? bp + col : nullptr, yp + col,
+                               std::min(kRowPanels * kPanel, n - col));
+      }
+      for (; panel < end; ++panel) {
+        const int64_t col = panel * kPanel;
+        kTiles[1](xp, xs, wp + panel * k * kPanel, k, bp != nullptr ? bp + col : nullptr, yp + col, n,
+                  std::min(kPanel, n - col));
+      }
+      return;
+    }
     for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
       const int64_t r1 = std::min(m, r0 + kChunk);
       for (int64_t panel = begin; panel < end; ++panel) {

@@ -32,8 +32,9 @@ def bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 
 
 # Every row tile (1..6 rows and several), partial panels (N not a multiple of 64), odd K,
-# M past a row chunk (96), the default model's shapes, empty M.
-SHAPES = [(1, 960, 576), (2, 576, 576), (3, 3072, 576), (4, 576, 1536), (5, 100, 33), (6, 64, 64),
+# M past a row chunk (96), the default model's shapes, empty M; one row over groups of four
+# panels with a partial last panel inside a group (250) or after the groups (520).
+SHAPES = [(1, 960, 576), (1, 250, 7), (1, 520, 33), (2, 576, 576), (3, 3072, 576), (4, 576, 1536), (5, 100, 33), (6, 64, 64),
           (7, 130, 17), (13, 1536, 96), (64, 576, 1536), (97, 70, 600), (200, 49, 1), (0, 64, 64)]
 
 
