@@ -47,6 +47,7 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_panel_gemm.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -58,9 +59,8 @@ namespace {
 
 using at::Tensor;
 constexpr const char* kOp = "kvsentry::bf16_gemm";
-constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 accumulators
-constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
-constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
+using kvsentry_panels::kPanel;
+using kvsentry_panels::kRows;
 constexpr int64_t kDepth = 16;  // pairs of K per AMX tile (and the packing's K granule)
 constexpr int64_t kTileRows = 16;  // rows of x per AMX A tile
 
@@ -68,20 +68,11 @@ int64_t padded_pairs(int64_t k) { return (k + 2 * kDepth - 1) / (2 * kDepth) * k
 
 // Only in AVX-512 builds (KVSENTRY_CPU_ARCH=AVX2 caps the ISA: such a build uses oneDNN).
 #if defined(__AVX512F__)
+using kvsentry_panels::output_chunk;
+
 bool supported() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
   return has;
-}
-
-// Output chunk j (16 columns) of a panel with `width` valid outputs: the store mask and the
-// bias (0 without one); false when the chunk lies past the width. Both kernels' epilogues.
-__attribute__((target("avx512f"))) inline bool output_chunk(int j, int64_t width, const float* bias,
-                                                            __mmask16& mask, __m512& b) {
-  const int64_t left = width - 16 * j;
-  if (left <= 0) return false;
-  mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-  b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-  return true;
 }
 
 // acc[r][j] += x[r, 2p : 2p + 2] . w[p][16 j : 16 j + 16] for p in [0, pairs): R rows of x
@@ -308,19 +299,10 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
     amx_gemm(xh, x.stride(0), wp, panels, pairs, bp, yp, m, n);
     return y;
   }
-  // Threads split the panels; each walks its panels once per chunk of rows.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
-      const int64_t r1 = std::min(m, r0 + kChunk);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const uint16_t* w = wp + panel * pairs * 2 * kPanel;
-        const int64_t col = panel * kPanel, width = std::min(kPanel, n - col);
-        for (int64_t r = r0; r < r1; r += kRows) {
-          const int64_t rows = std::min(kRows, r1 - r);
-          kTiles[rows](xp + r * xs, xs, w, pairs, bp != nullptr ? bp + col : nullptr, yp + r * n + col, n, width);
-        }
-      }
-    }
+  kvsentry_panels::for_row_tiles(m, panels, [&](int64_t panel, int64_t r, int64_t rows) {
+    const int64_t col = panel * kPanel;
+    kTiles[rows](xp + r * xs, xs, wp + panel * pairs * 2 * kPanel, pairs, bp != nullptr ? bp + col : nullptr,
+                 yp + r * n + col, n, std::min(kPanel, n - col));
   });
 #endif
   return y;

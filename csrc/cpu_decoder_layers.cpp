@@ -114,15 +114,12 @@ struct LayerOps {
     }
   }
 
-  // PackedLinear.__call__: bf16_gemm(x, panels, bias, out_features) for bf16 panels (a plain
-  // 4-d tensor), f32_gemm for float32 panels (a plain 3-d tensor), else
+  // PackedLinear.__call__: for panels (a plain tensor; the stack takes no other),
+  // bf16_gemm(x, panels, bias, out_features) or f32_gemm by their dtype; else
   // mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
   Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
-    if (!weight.is_mkldnn() && weight.dim() == 4) {
-      return panel_gemm.call(x, weight, bias, out_features);
-    }
-    if (!weight.is_mkldnn() && weight.dim() == 3) {
-      return f32_panel_gemm.call(x, weight, bias, out_features);
+    if (!weight.is_mkldnn()) {
+      return (weight.scalar_type() == at::kFloat ? f32_panel_gemm : panel_gemm).call(x, weight, bias, out_features);
     }
     if (linear_typed.has_value()) {
       c10::List<std::optional<c10::Scalar>> scalars;

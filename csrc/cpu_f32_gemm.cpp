@@ -34,13 +34,14 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_panel_gemm.h"
+
 namespace {
 
 using at::Tensor;
 constexpr const char* kOp = "kvsentry::f32_gemm";
-constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 accumulators
-constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
-constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
+using kvsentry_panels::kPanel;
+using kvsentry_panels::kRows;
 // How far ahead (8 K rows of the panel) a tile of 2 or more rows prefetches the panel. With a
 // few rows' multiply-adds per K the out-of-order window alone no longer covers enough of the
 // stream: on a 1-core Xeon, 30 layers at 4 rows 44 -> 39 ms, at 8 rows 55 -> 46 ms (1024 and
@@ -51,20 +52,24 @@ constexpr int64_t kPrefetchBytes = 2048;
 constexpr int kRowPanels = 4;
 
 #if defined(__AVX512F__)
+using kvsentry_panels::output_chunk;
+
 bool supported() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
 }
 
-// acc[r][j] += x[r, p] * w[p][16 j : 16 j + 16] for p in [0, k): R rows of x (row stride xs)
-// against one panel; then y[r, 0:width] = acc + bias (rows of stride ys).
-template <int R>
+// acc[r][16 c : 16 c + 16] += x[r, p] * (the P panels side by side)[p][16 c : 16 c + 16] for p
+// in [0, k): R rows of x (row stride xs) against P adjacent panels; then y[r, 0:width] = acc +
+// bias (rows of stride ys, `width` valid outputs over the P panels).
+template <int R, int P>
 __attribute__((target("avx512f"))) void tile(const float* x, int64_t xs, const float* panel, int64_t k,
                                              const float* bias, float* y, int64_t ys, int64_t width) {
-  __m512 acc[R][4];
+  __m512 acc[R][4 * P];
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int c = 0; c < 4 * P; ++c) acc[r][c] = _mm512_setzero_ps();
   }
+  const int64_t stride = k * kPanel;  // floats from one panel to the next
   const float* w = panel;
   for (int64_t p = 0; p < k; ++p, w += kPanel) {
     if (R > 1) {  // see kPrefetchBytes
@@ -74,58 +79,25 @@ __attribute__((target("avx512f"))) void tile(const float* x, int64_t xs, const f
       _mm_prefetch(ahead + 128, _MM_HINT_T0);
       _mm_prefetch(ahead + 192, _MM_HINT_T0);
     }
-    const __m512 w0 = _mm512_loadu_ps(w);
-    const __m512 w1 = _mm512_loadu_ps(w + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + 32);
-    const __m512 w3 = _mm512_loadu_ps(w + 48);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * xs + p]);
-      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-    }
-  }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t left = width - 16 * j;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ys + 16 * j, mask, _mm512_add_ps(acc[r][j], b));
-  }
-}
-
-// One row of x against P panels at once: P streams in flight instead of one (see kRowPanels).
-template <int P>
-__attribute__((target("avx512f"))) void row_panels(const float* x, const float* panel, int64_t k,
-                                                   const float* bias, float* y, int64_t width) {
-  __m512 acc[P][4];
-  for (int q = 0; q < P; ++q) {
-    for (int j = 0; j < 4; ++j) acc[q][j] = _mm512_setzero_ps();
-  }
-  const int64_t stride = k * kPanel;  // floats from one panel to the next
-  for (int64_t p = 0; p < k; ++p, panel += kPanel) {
-    const __m512 xb = _mm512_set1_ps(x[p]);
     for (int q = 0; q < P; ++q) {
-      for (int j = 0; j < 4; ++j) {
-        acc[q][j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + q * stride + 16 * j), acc[q][j]);
+      __m512 wq[4];
+      for (int j = 0; j < 4; ++j) wq[j] = _mm512_loadu_ps(w + q * stride + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * xs + p]);
+        for (int j = 0; j < 4; ++j) acc[r][4 * q + j] = _mm512_fmadd_ps(xb, wq[j], acc[r][4 * q + j]);
       }
     }
   }
-  for (int q = 0; q < P; ++q) {
-    for (int j = 0; j < 4; ++j) {
-      const int64_t left = width - kPanel * q - 16 * j;
-      if (left <= 0) return;
-      const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 b =
-          bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + kPanel * q + 16 * j) : _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(y + kPanel * q + 16 * j, mask, _mm512_add_ps(acc[q][j], b));
-    }
+  for (int c = 0; c < 4 * P; ++c) {
+    __mmask16 mask;
+    __m512 b;
+    if (!output_chunk(c, width, bias, mask, b)) break;
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ys + 16 * c, mask, _mm512_add_ps(acc[r][c], b));
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
 #else
 bool supported() { return false; }
 #endif
@@ -172,33 +144,22 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  // Threads split the panels; each walks its panels once per chunk of rows.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    if (m == 1) {  // see kRowPanels
-      int64_t panel = begin;
-      for (; panel + kRowPanels <= end; panel += kRowPanels) {
-        const int64_t col = panel * kPanel;
-        row_panels<kRowPanels>(xp, wp + panel * k * kPanel, k, bp != nullptr ? bp + col : nullptr, yp + col,
-                               std::min(kRowPanels * kPanel, n - col));
+  if (m == 1) {  // groups of kRowPanels panels, then one at a time; threads split the panels
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t panel = begin; panel < end;) {
+        const int64_t col = panel * kPanel, group = panel + kRowPanels <= end ? kRowPanels : 1;
+        (group == kRowPanels ? tile<1, kRowPanels> : tile<1, 1>)(xp, xs, wp + panel * k * kPanel, k,
+                                                                 bp != nullptr ? bp + col : nullptr, yp + col, n,
+                                                                 std::min(group * kPanel, n - col));
+        panel += group;
       }
-      for (; panel < end; ++panel) {
-        const int64_t col = panel * kPanel;
-        kTiles[1](xp, xs, wp + panel * k * kPanel, k, bp != nullptr ? bp + col : nullptr, yp + col, n,
-                  std::min(kPanel, n - col));
-      }
-      return;
-    }
-    for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
-      const int64_t r1 = std::min(m, r0 + kChunk);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const float* w = wp + panel * k * kPanel;
-        const int64_t col = panel * kPanel, width = std::min(kPanel, n - col);
-        for (int64_t r = r0; r < r1; r += kRows) {
-          const int64_t rows = std::min(kRows, r1 - r);
-          kTiles[rows](xp + r * xs, xs, w, k, bp != nullptr ? bp + col : nullptr, yp + r * n + col, n, width);
-        }
-      }
-    }
+    });
+    return y;
+  }
+  kvsentry_panels::for_row_tiles(m, panels, [&](int64_t panel, int64_t r, int64_t rows) {
+    const int64_t col = panel * kPanel;
+    kTiles[rows](xp + r * xs, xs, wp + panel * k * kPanel, k, bp != nullptr ? bp + col : nullptr, yp + r * n + col,
+                 n, std::min(kPanel, n - col));
   });
 #endif
   return y;

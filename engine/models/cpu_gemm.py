@@ -45,16 +45,17 @@ AMX_PANEL_MAX_ROWS = 64
 F32_PANEL_MAX_ROWS = 64
 
 
+# The panel GEMM of each dtype: torch.ops.kvsentry.<name>_pack / <name> / <name>_supported.
+_PANEL_OPS = {torch.bfloat16: "bf16_gemm", torch.float32: "f32_gemm"}
+
+
 def panels_supported(weight: torch.Tensor) -> bool:
     """Whether a linear of `weight` can run through panels: csrc/cpu_bf16_gemm.cpp for bf16
     (AVX512-BF16), csrc/cpu_f32_gemm.cpp for float32 (AVX-512F)."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not cpu_ops.available():
+    name = _PANEL_OPS.get(weight.dtype)
+    if name is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_ops.available():
         return False
-    if weight.dtype == torch.bfloat16:
-        return hasattr(torch.ops.kvsentry, "bf16_gemm_kernels") and bool(torch.ops.kvsentry.bf16_gemm_supported())
-    if weight.dtype == torch.float32:
-        return hasattr(torch.ops.kvsentry, "f32_gemm") and bool(torch.ops.kvsentry.f32_gemm_supported())
-    return False
+    return hasattr(torch.ops.kvsentry, name) and bool(getattr(torch.ops.kvsentry, f"{name}_supported")())
 
 
 def panel_max_rows(dtype: torch.dtype) -> int | None:
@@ -83,8 +84,9 @@ def onednn_supports(weight: torch.Tensor) -> bool:
 
 class PackedLinear:
     """y = x @ W^T + b with W [out, in] packed once: in panels (panels_supported), for
-    oneDNN, or both (AMX bf16, float32: panels up to `panel_max_rows` rows, oneDNN beyond); falls back to a
-    contiguous W^T and addmm/matmul where neither is usable. Immutable after construction."""
+    oneDNN, or both (AMX bf16, float32: panels up to `panel_max_rows` rows, oneDNN beyond);
+    falls back to a contiguous W^T and addmm/matmul where neither is usable. Immutable after
+    construction."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         weight = weight.detach()
@@ -101,9 +103,9 @@ class PackedLinear:
         # or None: see panels_supported.
         self.panels = None
         if panels and limit != 0:
-            f32 = weight.dtype == torch.float32
-            self.panels = (torch.ops.kvsentry.f32_gemm_pack if f32 else torch.ops.kvsentry.bf16_gemm_pack)(weight)
-            self._panel_gemm = torch.ops.kvsentry.f32_gemm if f32 else torch.ops.kvsentry.bf16_gemm
+            name = _PANEL_OPS[weight.dtype]
+            self.panels = getattr(torch.ops.kvsentry, f"{name}_pack")(weight)
+            self._panel_gemm = getattr(torch.ops.kvsentry, name)
         if self.onednn:
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

@@ -1,0 +1,47 @@
+// What the two panel GEMMs (cpu_bf16_gemm.cpp, cpu_f32_gemm.cpp) share: the panel and row
+// tile sizes, the epilogue's store mask and bias, and the walk of row tiles over the panels.
+#pragma once
+
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvsentry_panels {
+
+constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 accumulators
+constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
+constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
+
+// tile(panel, row, rows): rows [row, row + rows) of x (rows <= kRows) against one panel. Threads
+// split the panels; each walks its panels once per chunk of rows, so a panel streams from
+// memory once per chunk and stays in L2 across its row tiles.
+template <typename Tile>
+void for_row_tiles(int64_t m, int64_t panels, const Tile& tile) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
+      const int64_t r1 = std::min(m, r0 + kChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        for (int64_t r = r0; r < r1; r += kRows) tile(panel, r, std::min(kRows, r1 - r));
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// Output chunk j (16 columns) of a panel with `width` valid outputs: the store mask and the
+// bias (0 without one); false when the chunk lies past the width. Every kernel's epilogue.
+__attribute__((target("avx512f"))) inline bool output_chunk(int j, int64_t width, const float* bias,
+                                                            __mmask16& mask, __m512& b) {
+  const int64_t left = width - 16 * j;
+  if (left <= 0) return false;
+  mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+  return true;
+}
+#endif
+
+}  // namespace kvsentry_panels
