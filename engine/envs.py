@@ -32,6 +32,8 @@ VARIABLES = (
            "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_DISABLE_AMX_PREFILL", "=1: on AMX CPUs, bf16 prefill attention skips the AMX prefill kernel "
            "(the decode kernel's rows or SDPA instead)"),
+    EnvVar("KVSENTRY_DISABLE_HUGE_PAGES", "=1: packed CPU weights and the CPU KV cache on torch's allocator, "
+           "not on transparent huge pages (engine/worker/huge_pages.py)"),
     EnvVar("KVSENTRY_DEFAULT_MALLOC", "=1: leave glibc's malloc settings alone (engine/worker/host_memory.py)"),
     EnvVar("KVSENTRY_REQUIRE_CPU_OPS", "=1: a failed CPU kernel build is an error, never a fallback"),
     EnvVar("KVSENTRY_DISABLE_CUDA_OPS", "=1: never use the CUDA kernels (the torch reference runs)"),
@@ -55,6 +57,10 @@ def disable_amx_panels() -> bool:
 
 def disable_f32_panels() -> bool:
     return _flag("KVSENTRY_DISABLE_F32_PANELS")
+
+
+def disable_huge_pages() -> bool:
+    return _flag("KVSENTRY_DISABLE_HUGE_PAGES")
 
 
 def disable_amx_prefill() -> bool:

@@ -37,6 +37,7 @@ import torch
 
 from engine import envs
 from engine.ops import cpu_ops
+from engine.worker.huge_pages import to_huge_pages
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the AMX panels run a bf16 linear where oneDNN is there too (see above).
@@ -104,7 +105,8 @@ class PackedLinear:
         self.panels = None
         if panels and limit != 0:
             name = _PANEL_OPS[weight.dtype]
-            self.panels = getattr(torch.ops.kvsentry, f"{name}_pack")(weight)
+            # On huge pages: a decode step streams every panel from memory (engine/worker/huge_pages.py).
+            self.panels = to_huge_pages(getattr(torch.ops.kvsentry, f"{name}_pack")(weight))
             self._panel_gemm = getattr(torch.ops.kvsentry, name)
         if self.onednn:
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
