@@ -379,8 +379,9 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       const int64_t len = lens[b];
       const int64_t reads = read_blocks != nullptr ? read_blocks[b] : num_read;  // this row's table entries
       const int64_t row_span = reads * block_size;
-      kvsentry_paged::touch_blocks_ahead(item, end, num_kv_heads, tables, ts0, ts1, read_blocks, num_read, kc, ks0,
-                                         ks2, vc, vs0, vs2);
+      const auto ahead = kvsentry_paged::item_ahead(item, end, num_kv_heads, tables, ts0, ts1, read_blocks, num_read,
+                                                    kc, ks0, ks1, ks2, vc, vs0, vs1, vs2, block_size, head_dim, v_dim);
+      ahead.first_lines();  // an item ahead's block-heads start streaming (cpu_paged_prefetch.h)
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + b * qs0 + (h * group + g) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);

@@ -129,8 +129,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
       const int64_t pos = tile * kTile, j = pos / a.block_size;
       return a.kc + static_cast<int64_t>(table[j * a.ts1]) * a.ks0 + h * a.ks2 + (pos - j * a.block_size) * a.ks1;
     };
-    kvsentry_paged::touch_blocks_ahead(item, end, a.num_kv_heads, a.tables, a.ts0, a.ts1, a.reads, a.num_read, a.kc,
-                                       a.ks0, a.ks2, a.vc, a.vs0, a.vs2);
+    const auto ahead = kvsentry_paged::item_ahead(item, end, a.num_kv_heads, a.tables, a.ts0, a.ts1, a.reads,
+                                                  a.num_read, a.kc, a.ks0, a.ks1, a.ks2, a.vc, a.vs0, a.vs1, a.vs2,
+                                                  a.block_size, a.head_dim, a.v_dim);
     for (int64_t t = 0; t < live_tiles; t += 2) {
       const bool two = t + 1 < live_tiles;
       score_tiles(key_rows(t), two ? key_rows(t + 1) : nullptr, a.ks1 * 2, blocks, &cs[t * kTile * kTile],
@@ -169,8 +170,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
       }
       std::fill(prow + row_span, prow + row_span32, 0);
     }
-    // V as VNNI pairs of positions, zero past the span.
+    // V as VNNI pairs of positions, zero past the span; meanwhile an item ahead's blocks go
+    // to L2 (cpu_paged_prefetch.h).
     for (int64_t j = 0; j < reads; ++j) {
+      ahead.block(j);
       const uint16_t* vblock = reinterpret_cast<const uint16_t*>(a.vc + static_cast<int64_t>(table[j * a.ts1]) * a.vs0 +
                                                                  h * a.vs2);
       for (int64_t t = 0; t < a.block_size; t += 2) {
@@ -184,6 +187,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
         }
       }
     }
+    for (int64_t j = reads; j < ahead.reads; ++j) ahead.block(j);  // an item ahead's blocks past ours
     std::fill(vp.begin() + row_span * a.v_dim, vp.begin() + row_span32 * a.v_dim, 0);
     for (int64_t d0 = 0; d0 < a.v_dim; d0 += 4 * kTile) {
       value_tiles(p.data(), span32 * 2, vp.data(), a.v_dim, d0, std::min<int64_t>(4, (a.v_dim - d0) / kTile),
