@@ -1,16 +1,18 @@
-// What both decode attention kernels (cpu_attention.cpp, cpu_attention_amx.cpp) ask of memory
-// ahead of time: every line of the K and V block-heads of the (request, KV head) item
-// kAheadItems later, into L2, one block at a time while the current item computes.
+// What the decode attention kernels (cpu_attention.cpp, cpu_attention_amx.cpp) ask of memory
+// ahead of time, about the (request, KV head) item kAheadItems after the current one.
 //
 // Why: a decode step reads each live block-head once, from DRAM, and the hardware prefetcher
 // only streams within a run of adjacent lines it has seen touched; the blocks of a sequence
-// lie wherever the pool had them free. Earlier this header touched one line per block-head
-// two items ahead (1625 -> 1371 us/layer); touching every line of an item up front stalled on
-// full miss queues. Spread over the current item's blocks and into L2 (PREFETCHT1), every
-// line: batch 64 x 155 tokens over 30 layers of the default model's shapes, bf16 (AMX), 1-core
-// Xeon, alternating in one process: blocks in order 837 -> 807 us/layer, scattered 1321 ->
-// 1088, scattered pairs 1329 -> 1087; the same prefetches issued up front at the item's start:
-// 895 / 1175 / 1177.
+// lie wherever the pool had them free.
+//   - The AMX kernel asks for every line of the item's K and V block-heads, into L2, one block
+//     per block of its own V relayout (`block`). Batch 64 x 155 tokens over 30 layers of the
+//     default model's shapes, 1-core Xeon, alternating in one process: blocks in order
+//     854-896 -> 859-884 us/layer (neutral), scattered 1333-1397 -> 1184-1238, scattered pairs
+//     1365-1419 -> 1102-1183. The same prefetches issued all at the item's start stalled on
+//     full miss queues (seq 895 vs 837).
+//   - The float32/vector kernel computes longer per block and touches only the first line of
+//     each block-head (`first_lines`; 1625 -> 1371 us/layer when it came in): its L2 variant
+//     measured 4-7% slower there.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,13 @@ constexpr int64_t kAheadItems = 2;
 
 // PREFETCHT1 as a volatile asm: the compiler may delete a loop whose only effect is
 // _mm_prefetch / __builtin_prefetch (GCC 12 at -O2 does, for the nested loops below).
-inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
 
 // The item kAheadItems after `item` (none at or past `end`): items are (request b, KV head h)
 // = (item / num_kv_heads, item % num_kv_heads); row b of the tables reads read_blocks[b]
