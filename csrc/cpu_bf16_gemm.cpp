@@ -24,8 +24,10 @@
 // lie: 16 pairs of K by 16 outputs, rows 256 bytes apart. Four C tiles hold 16 rows x 64
 // outputs; each block of 32 K loads one A tile of x and the panel's four B tiles in address
 // order, so the weight is still one contiguous stream, left to the hardware prefetcher: software
-// prefetches of it (two blocks ahead, or spread over the row tiles into L2) measured 5-20%
-// slower at 1-128 rows on a 1-core Xeon, their instructions stalling on full miss queues. On a
+// prefetches of it (two blocks ahead, or into L2 from every pass) measured 5-20% slower at
+// 1-128 rows on a 1-core Xeon, their instructions stalling on full miss queues -- except for
+// 49-64 rows, whose three L1-bound passes over a chunk have room to bring the next one into
+// L2 (kAheadPasses). On a
 // 1-core Xeon with AMX, oneDNN's AMX kernels read a decode step's weights at ~50-60% of the
 // memory bandwidth and these tiles 1.43x faster at 1 row, 1.37x at 8, 1.12x at 64; from ~128
 // rows oneDNN's blocking is faster (1.1 vs 0.6 TFLOP/s at 1024 rows), so
@@ -127,13 +129,23 @@ constexpr int64_t kOutBytes = kPanel * 4;       // bytes per acc row: one panel'
 constexpr int64_t kPairBytes = 2 * kPanel * 2;  // bytes per pair of K in a panel
 constexpr int64_t kBlockBytes = kDepth * kPairBytes;
 constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for more than 16 rows
+// Passes over a chunk after the first (which streams it from memory; the others read it from
+// L1) from which those later passes also bring the next chunk into L2: 3, i.e. 49-64 rows.
+// There the prefetches spread thin enough (~21 lines a block) to run beside the tiles: the
+// default model's 30 layers at 64 rows 23.9 -> 21.0 ms, its decode step at batch 64 69.1-71.2
+// -> 65.1-66.4 ms (1-core Xeon, weights on huge pages, alternating). With one or two later
+// passes (17-48 rows) the same prefetches measured no faster.
+constexpr int64_t kAheadPasses = 3;
 constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
 
 // C [rows, 64] (+)= x[:, blocks b0..b1) . panel for the rows the loaded config was made for,
-// starting from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`.
+// starting from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`. With
+// `ahead` set, each block also asks for `ahead_lines` cache lines from there into L2 (and
+// advances it): the next chunk of the weight, while this pass runs out of L1.
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_t* x, int64_t x_bytes,
                                                                    const uint16_t* panel, int64_t b0, int64_t b1,
-                                                                   bool first, float* acc) {
+                                                                   bool first, float* acc, const char*& ahead,
+                                                                   int64_t ahead_lines) {
   if (first) {
     _tile_zero(0);
     _tile_zero(1);
@@ -148,6 +160,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_
   const char* w = reinterpret_cast<const char*>(panel) + b0 * kBlockBytes;
   const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
   for (int64_t b = b0; b < b1; ++b, w += kBlockBytes, a += 4 * kDepth) {
+    if (ahead != nullptr) {
+      // PREFETCHT1 as volatile asm: the compiler may delete a loop of _mm_prefetch alone.
+      for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) asm volatile("prefetcht1 %0" : : "m"(*ahead));
+    }
     _tile_loadd(4, a, x_bytes);
     _tile_loadd(5, w, kPairBytes);
     _tile_dpbf16ps(0, 4, 5);
@@ -208,9 +224,20 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
       const int64_t col = panel * kPanel;
       for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = std::min(blocks, b0 + chunk);
+        // The next chunk lies right after this one (panels are contiguous): spread over the
+        // later passes' blocks when there are kAheadPasses of them.
+        const int64_t later = (r1 - r0 + kTileRows - 1) / kTileRows - 1;
+        const char* ahead = nullptr;
+        int64_t ahead_lines = 0;
+        if (later >= kAheadPasses) {
+          ahead = reinterpret_cast<const char*>(w) + b1 * kBlockBytes;
+          ahead_lines = ((b1 - b0) * kBlockBytes / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
+        }
         for (int64_t r = r0; r < r1; r += kTileRows) {
           configure(loaded, std::min(kTileRows, r1 - r));
-          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, acc + (r - r0) * kPanel);
+          const char* pass_ahead = r > r0 ? ahead : nullptr;  // the first pass streams this chunk
+          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, acc + (r - r0) * kPanel, pass_ahead, ahead_lines);
+          if (pass_ahead != nullptr) ahead = pass_ahead;
         }
       }
       amx_store(acc, r1 - r0, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, std::min(kPanel, n - col));
