@@ -50,6 +50,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_panel_gemm.h"
+#include "cpu_prefetch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -161,8 +162,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_
   const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
   for (int64_t b = b0; b < b1; ++b, w += kBlockBytes, a += 4 * kDepth) {
     if (ahead != nullptr) {
-      // PREFETCHT1 as volatile asm: the compiler may delete a loop of _mm_prefetch alone.
-      for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) asm volatile("prefetcht1 %0" : : "m"(*ahead));
+      for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
     }
     _tile_loadd(4, a, x_bytes);
     _tile_loadd(5, w, kPairBytes);
@@ -265,18 +265,11 @@ Tensor pack(const Tensor& weight) {
   // Zero padding: past N the outputs are never stored, past K the products are 0 * 0 (x is
   // padded with zeros too).
   Tensor packed = at::zeros({panels, pairs, kPanel, 2}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      for (int64_t o = 0; o < kPanel && panel * kPanel + o < n; ++o) {
-        const uint16_t* row = src + (panel * kPanel + o) * k;
-        for (int64_t c = 0; c < k; ++c) {
-          dst[((panel * pairs + c / 2) * kPanel + o) * 2 + c % 2] = row[c];
-        }
-      }
-    }
-  });
+  kvsentry_panels::pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>()), n, k,
+                               reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+                               [pairs](int64_t panel, int64_t o, int64_t c) {
+                                 return ((panel * pairs + c / 2) * kPanel + o) * 2 + c % 2;
+                               });
   return packed;
 }
 

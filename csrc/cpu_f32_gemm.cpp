@@ -108,16 +108,8 @@ Tensor pack(const Tensor& weight) {
   const Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
   Tensor packed = at::zeros({panels, k, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      for (int64_t o = 0; o < kPanel && panel * kPanel + o < n; ++o) {
-        const float* row = src + (panel * kPanel + o) * k;
-        for (int64_t c = 0; c < k; ++c) dst[(panel * k + c) * kPanel + o] = row[c];
-      }
-    }
-  });
+  kvsentry_panels::pack_panels(w.data_ptr<float>(), n, k, packed.data_ptr<float>(),
+                               [k](int64_t panel, int64_t o, int64_t c) { return (panel * k + c) * kPanel + o; });
   return packed;
 }
 

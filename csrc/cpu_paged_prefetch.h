@@ -17,19 +17,11 @@
 
 #include <cstdint>
 
+#include "cpu_prefetch.h"
+
 namespace kvsentry_paged {
 
 constexpr int64_t kAheadItems = 2;
-
-// PREFETCHT1 as a volatile asm: the compiler may delete a loop whose only effect is
-// _mm_prefetch / __builtin_prefetch (GCC 12 at -O2 does, for the nested loops below).
-inline void prefetch_l2(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
 
 // The item kAheadItems after `item` (none at or past `end`): items are (request b, KV head h)
 // = (item / num_kv_heads, item % num_kv_heads); row b of the tables reads read_blocks[b]
@@ -60,8 +52,8 @@ struct ItemAhead {
     for (int64_t t = 0; t < block_size; ++t) {
       const char* kr = k + t * ks1 * static_cast<int64_t>(sizeof(scalar_t));
       const char* vr = v + t * vs1 * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t o = 0; o < k_row_bytes; o += 64) prefetch_l2(kr + o);
-      for (int64_t o = 0; o < v_row_bytes; o += 64) prefetch_l2(vr + o);
+      for (int64_t o = 0; o < k_row_bytes; o += 64) kvsentry_mem::prefetch_l2(kr + o);
+      for (int64_t o = 0; o < v_row_bytes; o += 64) kvsentry_mem::prefetch_l2(vr + o);
     }
   }
 };

@@ -1,5 +1,6 @@
 // What the two panel GEMMs (cpu_bf16_gemm.cpp, cpu_f32_gemm.cpp) share: the panel and row
-// tile sizes, the epilogue's store mask and bias, and the walk of row tiles over the panels.
+// tile sizes, the packing loop, the epilogue's store mask and bias, and the walk of row tiles
+// over the panels.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -26,6 +27,21 @@ void for_row_tiles(int64_t m, int64_t panels, const Tile& tile) {
       const int64_t r1 = std::min(m, r0 + kChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
         for (int64_t r = r0; r < r1; r += kRows) tile(panel, r, std::min(kRows, r1 - r));
+      }
+    }
+  });
+}
+
+// Packing: out[place(panel, o, c)] = w[panel * kPanel + o][c] for each of the weight's n rows
+// of k values ([n, k] contiguous), threads over panels; the rest of out (zeros) is padding.
+template <typename T, typename Place>
+void pack_panels(const T* w, int64_t n, int64_t k, T* out, const Place& place) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t o = 0; o < kPanel && panel * kPanel + o < n; ++o) {
+        const T* row = w + (panel * kPanel + o) * k;
+        for (int64_t c = 0; c < k; ++c) out[place(panel, o, c)] = row[c];
       }
     }
   });

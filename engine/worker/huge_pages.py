@@ -60,14 +60,10 @@ class _Chunk:
 _current: _Chunk | None = None
 
 
-def enabled() -> bool:
-    return not envs.disable_huge_pages()
-
-
 def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of zeros on huge pages where the OS gives them, touched now (so
     that serving never faults it in)."""
-    if not enabled():
+    if envs.disable_huge_pages():
         return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
@@ -87,20 +83,8 @@ def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
 
 def to_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor` (CPU) on huge pages; `tensor` itself when they are disabled."""
-    if not enabled() or tensor.device.type != "cpu":
+    if envs.disable_huge_pages() or tensor.device.type != "cpu":
         return tensor
     out = huge_page_zeros(tensor.shape, tensor.dtype)
     out.copy_(tensor)
     return out
-
-
-def huge_page_bytes() -> int:
-    """This process's anonymous memory on huge pages (/proc/self/smaps_rollup), 0 where unknown."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
