@@ -51,6 +51,7 @@
 #include "cpu_amx.h"
 #include "cpu_panel_gemm.h"
 #include "cpu_prefetch.h"
+#include "cpu_quant_panels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -139,14 +140,25 @@ constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for 
 constexpr int64_t kAheadPasses = 3;
 constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
 
+// Where amx_rows' blocks come from for a GGUF-quantized panel: each block of b0..b1 is
+// dequantized into L1 right before its products, so the tiles' work on one block overlaps the
+// dequantizing of the next. The blocks go to `dst` in turn, where later passes of rows read
+// them, or to its first two blocks' room alternately (ping_pong: no later pass).
+struct Dequant {
+  const kvsentry_quant::Panels* quant;
+  int64_t panel;
+  uint16_t* dst;
+  bool ping_pong;
+};
+
 // C [rows, 64] (+)= x[:, blocks b0..b1) . panel for the rows the loaded config was made for,
-// starting from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`. With
-// `ahead` set, each block also asks for `ahead_lines` cache lines from there into L2 (and
-// advances it): the next chunk of the weight, while this pass runs out of L1.
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_t* x, int64_t x_bytes,
-                                                                   const uint16_t* panel, int64_t b0, int64_t b1,
-                                                                   bool first, float* acc, const char*& ahead,
-                                                                   int64_t ahead_lines) {
+// the panel's blocks b0..b1 from `chunk` on (or dequantized as they go: `dequant`), starting
+// from zero (first) or from `acc` [rows, 64] float32, and stored back to `acc`. With `ahead`
+// set, each block also asks for `ahead_lines` cache lines from there into L2 (and advances
+// it): the next chunk of the weight, while this pass runs out of L1.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_rows(
+    const uint16_t* x, int64_t x_bytes, const uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
+    const char*& ahead, int64_t ahead_lines, const Dequant* dequant = nullptr) {
   if (first) {
     _tile_zero(0);
     _tile_zero(1);
@@ -158,9 +170,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(const uint16_
     _tile_loadd(2, acc + 32, kOutBytes);
     _tile_loadd(3, acc + 48, kOutBytes);
   }
-  const char* w = reinterpret_cast<const char*>(panel) + b0 * kBlockBytes;
   const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
-  for (int64_t b = b0; b < b1; ++b, w += kBlockBytes, a += 4 * kDepth) {
+  for (int64_t b = b0; b < b1; ++b, a += 4 * kDepth) {
+    const char* w = reinterpret_cast<const char*>(chunk) + (b - b0) * kBlockBytes;
+    if (dequant != nullptr) {
+      uint16_t* block = dequant->dst + (dequant->ping_pong ? b & 1 : b - b0) * (kBlockBytes / 2);
+      kvsentry_quant::dequant_bf16(*dequant->quant, dequant->panel, b, b + 1, block);
+      w = reinterpret_cast<const char*>(block);
+    }
     if (ahead != nullptr) {
       for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
     }
@@ -211,16 +228,21 @@ __attribute__((target("amx-tile"))) void configure(TileConfig& loaded, int64_t r
 __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int64_t end, const uint16_t* xp,
                                                              int64_t xs, const uint16_t* wp, int64_t pairs,
                                                              const float* bp, uint16_t* yp, int64_t m,
-                                                             int64_t n) {
+                                                             int64_t n, const kvsentry_quant::Panels* quant) {
   const int64_t chunk_rows = std::min(m, kAmxRowChunk);
   std::vector<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
   float* acc = acc_rows.data();
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
+  alignas(64) uint16_t dequantized[kChunkBlocks * kBlockBytes / 2];
+  // Bytes per block of what streams from memory: the panel's, or its GGUF blocks'.
+  const int64_t stream_block = quant != nullptr ? kvsentry_quant::block_bytes(quant->type) : kBlockBytes;
   TileConfig loaded = tile_config(0);  // none yet: no config has 0 rows
   for (int64_t r0 = 0; r0 < m; r0 += kAmxRowChunk) {
     const int64_t r1 = std::min(m, r0 + kAmxRowChunk);
     for (int64_t panel = begin; panel < end; ++panel) {
-      const uint16_t* w = wp + panel * pairs * 2 * kPanel;
+      const uint16_t* w = quant != nullptr ? nullptr : wp + panel * pairs * 2 * kPanel;
+      const char* stream = quant != nullptr ? reinterpret_cast<const char*>(quant->panel(panel))
+                                            : reinterpret_cast<const char*>(w);
       const int64_t col = panel * kPanel;
       for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = std::min(blocks, b0 + chunk);
@@ -229,14 +251,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
         const int64_t later = (r1 - r0 + kTileRows - 1) / kTileRows - 1;
         const char* ahead = nullptr;
         int64_t ahead_lines = 0;
+        // GGUF-quantized: the first pass dequantizes the chunk (into L1) as it goes, for the others.
+        const uint16_t* cw = quant != nullptr ? dequantized : w + b0 * kBlockBytes / 2;
         if (later >= kAheadPasses) {
-          ahead = reinterpret_cast<const char*>(w) + b1 * kBlockBytes;
-          ahead_lines = ((b1 - b0) * kBlockBytes / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
+          ahead = stream + b1 * stream_block;
+          ahead_lines = ((b1 - b0) * stream_block / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
         }
         for (int64_t r = r0; r < r1; r += kTileRows) {
           configure(loaded, std::min(kTileRows, r1 - r));
           const char* pass_ahead = r > r0 ? ahead : nullptr;  // the first pass streams this chunk
-          amx_rows(xp + r * xs, xs * 2, w, b0, b1, b0 == 0, acc + (r - r0) * kPanel, pass_ahead, ahead_lines);
+          const Dequant first_pass{quant, panel, dequantized, later == 0};
+          amx_rows(xp + r * xs, xs * 2, cw, b0, b1, b0 == 0, acc + (r - r0) * kPanel, pass_ahead, ahead_lines,
+                   quant != nullptr && r == r0 ? &first_pass : nullptr);
           if (pass_ahead != nullptr) ahead = pass_ahead;
         }
       }
@@ -246,11 +272,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
   _tile_release();
 }
 
-// Threads split the panels; each walks its own.
+// Threads split the panels; each walks its own (GGUF-quantized ones dequantized one at a time).
 void amx_gemm(const uint16_t* xp, int64_t xs, const uint16_t* wp, int64_t panels, int64_t pairs, const float* bp,
-              uint16_t* yp, int64_t m, int64_t n) {
+              uint16_t* yp, int64_t m, int64_t n, const kvsentry_quant::Panels* quant) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    amx_panels(begin, end, xp, xs, wp, pairs, bp, yp, m, n);
+    amx_panels(begin, end, xp, xs, wp, pairs, bp, yp, m, n, quant);
   });
 }
 #else
@@ -288,10 +314,14 @@ Kernel kernel_named(const std::string& name) {
 Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n, Kernel kernel) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(), kOp,
               ": x must be a CPU bfloat16 [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kPanel &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              kOp, ": packed must come from bf16_gemm_pack");
-  const int64_t m = x_in.size(0), k = x_in.size(1), panels = packed.size(0), pairs = packed.size(1);
+  // The packed weight: bf16_gemm_pack's bf16 panels, or quant_panels_pack's GGUF blocks.
+  const bool quant = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(quant ? packed.dim() == 3 && kvsentry_quant::type_of(packed.size(2)) >= 0 && packed.is_contiguous()
+                    : packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kPanel &&
+                          packed.size(3) == 2 && packed.is_contiguous(),
+              kOp, ": packed must come from bf16_gemm_pack or quant_panels_pack");
+  const int64_t m = x_in.size(0), k = x_in.size(1), panels = packed.size(0);
+  const int64_t pairs = quant ? packed.size(1) * kDepth : packed.size(1);
   TORCH_CHECK(pairs == padded_pairs(k) && n > (panels - 1) * kPanel && n <= panels * kPanel, kOp, ": x [", m, ", ",
               k, "] and N = ", n, " do not fit the packed weight ", packed.sizes());
   if (bias.has_value()) {
@@ -312,18 +342,24 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
   const uint16_t* xh = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xh);
   const int64_t xs = x.stride(0) / 2;
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const uint16_t* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const auto qp = quant ? kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2))
+                        : kvsentry_quant::Panels{};
+  const kvsentry_quant::Panels* q = quant ? &qp : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (kernel == Kernel::kAmx) {
-    amx_gemm(xh, x.stride(0), wp, panels, pairs, bp, yp, m, n);
+    amx_gemm(xh, x.stride(0), wp, panels, pairs, bp, yp, m, n, q);
     return y;
   }
-  kvsentry_panels::for_row_tiles(m, panels, [&](int64_t panel, int64_t r, int64_t rows) {
-    const int64_t col = panel * kPanel;
-    kTiles[rows](xp + r * xs, xs, wp + panel * pairs * 2 * kPanel, pairs, bp != nullptr ? bp + col : nullptr,
-                 yp + r * n + col, n, std::min(kPanel, n - col));
-  });
+  kvsentry_panels::for_row_tiles(
+      m, panels,
+      [&](int64_t panel) { return q != nullptr ? kvsentry_quant::bf16_panel(*q, panel) : wp + panel * pairs * 2 * kPanel; },
+      [&](const uint16_t* w, int64_t panel, int64_t r, int64_t rows) {
+        const int64_t col = panel * kPanel;
+        kTiles[rows](xp + r * xs, xs, w, pairs, bp != nullptr ? bp + col : nullptr, yp + r * n + col, n,
+                     std::min(kPanel, n - col));
+      });
 #endif
   return y;
 }

@@ -115,11 +115,12 @@ struct LayerOps {
   }
 
   // PackedLinear.__call__: for panels (a plain tensor; the stack takes no other),
-  // bf16_gemm(x, panels, bias, out_features) or f32_gemm by their dtype; else
+  // bf16_gemm(x, panels, bias, out_features) or f32_gemm by x's dtype (GGUF-quantized panels
+  // are uint8, and either GEMM takes them); else
   // mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
   Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
     if (!weight.is_mkldnn()) {
-      return (weight.scalar_type() == at::kFloat ? f32_panel_gemm : panel_gemm).call(x, weight, bias, out_features);
+      return (x.scalar_type() == at::kFloat ? f32_panel_gemm : panel_gemm).call(x, weight, bias, out_features);
     }
     if (linear_typed.has_value()) {
       c10::List<std::optional<c10::Scalar>> scalars;

@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "cpu_panel_gemm.h"
+#include "cpu_quant_panels.h"
 
 namespace {
 
@@ -117,11 +118,15 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX-512F");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), kOp,
               ": x must be a CPU float32 [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(2) == kPanel &&
-                  packed.is_contiguous(),
-              kOp, ": packed must come from f32_gemm_pack");
+  // The packed weight: f32_gemm_pack's float32 panels, or quant_panels_pack's GGUF blocks.
+  const bool quant = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  (quant ? kvsentry_quant::type_of(packed.size(2)) >= 0
+                         : packed.scalar_type() == at::kFloat && packed.size(2) == kPanel),
+              kOp, ": packed must come from f32_gemm_pack or quant_panels_pack");
   const int64_t m = x_in.size(0), k = x_in.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == k && n > (panels - 1) * kPanel && n <= panels * kPanel, kOp, ": x [", m, ", ", k,
+  const int64_t packed_k = quant ? packed.size(1) * kvsentry_quant::kBlockK : packed.size(1);
+  TORCH_CHECK(packed_k == k && n > (panels - 1) * kPanel && n <= panels * kPanel, kOp, ": x [", m, ", ", k,
               "] and N = ", n, " do not fit the packed weight ", packed.sizes());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, ": bias must be [N]");
@@ -133,10 +138,12 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
 #if defined(__AVX512F__)
   const float* xp = x.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  const float* wp = packed.data_ptr<float>();
+  const float* wp = quant ? nullptr : packed.data_ptr<float>();
+  const auto qp = quant ? kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2))
+                        : kvsentry_quant::Panels{};
   float* yp = y.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (m == 1) {  // groups of kRowPanels panels, then one at a time; threads split the panels
+  if (m == 1 && !quant) {  // groups of kRowPanels panels, then one at a time; threads split the panels
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t panel = begin; panel < end;) {
         const int64_t col = panel * kPanel, group = panel + kRowPanels <= end ? kRowPanels : 1;
@@ -148,11 +155,14 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     });
     return y;
   }
-  kvsentry_panels::for_row_tiles(m, panels, [&](int64_t panel, int64_t r, int64_t rows) {
-    const int64_t col = panel * kPanel;
-    kTiles[rows](xp + r * xs, xs, wp + panel * k * kPanel, k, bp != nullptr ? bp + col : nullptr, yp + r * n + col,
-                 n, std::min(kPanel, n - col));
-  });
+  kvsentry_panels::for_row_tiles(
+      m, panels,
+      [&](int64_t panel) { return quant ? kvsentry_quant::f32_panel(qp, panel) : wp + panel * k * kPanel; },
+      [&](const float* w, int64_t panel, int64_t r, int64_t rows) {
+        const int64_t col = panel * kPanel;
+        kTiles[rows](xp + r * xs, xs, w, k, bp != nullptr ? bp + col : nullptr, yp + r * n + col, n,
+                     std::min(kPanel, n - col));
+      });
 #endif
   return y;
 }

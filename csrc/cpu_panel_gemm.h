@@ -17,16 +17,18 @@ constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 ac
 constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
 constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
 
-// tile(panel, row, rows): rows [row, row + rows) of x (rows <= kRows) against one panel. Threads
+// tile(w, panel, row, rows): rows [row, row + rows) of x (rows <= kRows) against one panel,
+// whose weights panel_at(panel) gives (the packed panel, or a dequantized copy of it). Threads
 // split the panels; each walks its panels once per chunk of rows, so a panel streams from
 // memory once per chunk and stays in L2 across its row tiles.
-template <typename Tile>
-void for_row_tiles(int64_t m, int64_t panels, const Tile& tile) {
+template <typename PanelAt, typename Tile>
+void for_row_tiles(int64_t m, int64_t panels, const PanelAt& panel_at, const Tile& tile) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
       const int64_t r1 = std::min(m, r0 + kChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
-        for (int64_t r = r0; r < r1; r += kRows) tile(panel, r, std::min(kRows, r1 - r));
+        const auto* w = panel_at(panel);
+        for (int64_t r = r0; r < r1; r += kRows) tile(w, panel, r, std::min(kRows, r1 - r));
       }
     }
   });

@@ -30,6 +30,8 @@ VARIABLES = (
            "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_DISABLE_F32_PANELS", "=1: float32 linears keep oneDNN's weight alone "
            "(no second, panel copy for decode-sized steps)"),
+    EnvVar("KVSENTRY_DISABLE_QUANT_PANELS", "=1: a GGUF checkpoint's Q4_1/Q8_0 linears run from bf16 or float32 "
+           "panels instead of their own blocks (engine/models/cpu_gemm.py)"),
     EnvVar("KVSENTRY_DISABLE_AMX_PREFILL", "=1: on AMX CPUs, bf16 prefill attention skips the AMX prefill kernel "
            "(the decode kernel's rows or SDPA instead)"),
     EnvVar("KVSENTRY_DISABLE_HUGE_PAGES", "=1: packed CPU weights and the CPU KV cache on torch's allocator, "
@@ -57,6 +59,10 @@ def disable_amx_panels() -> bool:
 
 def disable_f32_panels() -> bool:
     return _flag("KVSENTRY_DISABLE_F32_PANELS")
+
+
+def disable_quant_panels() -> bool:
+    return _flag("KVSENTRY_DISABLE_QUANT_PANELS")
 
 
 def disable_huge_pages() -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -64,6 +65,31 @@ _DERIVED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a p
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 Wants = Callable[[str], bool]
+# GGML types whose blocks the CPU GEMMs multiply by directly (csrc/cpu_quant_panels.h).
+PANEL_TYPES = {"Q4_1": 3, "Q8_0": 8}
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """A 2-D GGUF tensor's rows as stored: `data` [N, K / 32 * block bytes] uint8 of GGML type
+    `ggml_type`, in the row order of the dequantized HF tensor (q/k unpermuted as it is)."""
+    ggml_type: int
+    k: int
+    data: torch.Tensor
+
+
+def quant_rows(gguf: GGUFFile, info: TensorInfo) -> QuantRows | None:
+    """A 2-D tensor's blocks, copied out of the map, where its type is one of PANEL_TYPES."""
+    if len(info.shape) != 2 or info.ggml_type not in PANEL_TYPES.values():
+        return None
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    n, k = info.shape
+    if k % block_size:
+        return None
+    raw = gguf.raw_bytes(info, n * (k // block_size) * type_size).reshape(n, -1)
+    return QuantRows(info.ggml_type, k, torch.from_numpy(np.array(raw)))
 
 
 def dequantize(gguf: GGUFFile, info: TensorInfo, index: int | None = None) -> torch.Tensor:
@@ -104,8 +130,8 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class _Converter:
-    def __init__(self, gguf: GGUFFile, hf: dict[str, Any], wants: Wants):
-        self.gguf, self.hf, self.wants = gguf, hf, wants
+    def __init__(self, gguf: GGUFFile, hf: dict[str, Any], wants: Wants, quantized: dict[str, QuantRows] | None):
+        self.gguf, self.hf, self.wants, self.quantized = gguf, hf, wants, quantized
         self.architecture = hf["architectures"][0]
         self.modules = {**_LAYER_MODULES, **_ARCH_MODULES.get(self.architecture, {})}
         self.experts = _MIXTRAL_EXPERTS if self.architecture == "MixtralForCausalLM" else _EXPERTS
@@ -118,6 +144,7 @@ class _Converter:
         if info.name in _GLOBAL:
             name = _GLOBAL[info.name]
             if self.wants(name):
+                self._keep_rows(name, info, lambda rows: rows)
                 yield name, dequantize(self.gguf, info)
             return
         match = _BLOCK_NAME.fullmatch(info.name)
@@ -142,10 +169,19 @@ class _Converter:
         elif key in self.modules:
             name = f"{prefix}.{self.modules[key]}.{suffix}"
             if self.wants(name):
+                self._keep_rows(name, info, lambda rows: self._fix_layout(key, rows))
                 yield name, self._fix_layout(key, dequantize(self.gguf, info))
         else:
             raise ValueError(f"{self.gguf.path}: GGUF tensor {info.name!r} has no Hugging Face name "
                              f"for {self.architecture}")
+
+    def _keep_rows(self, name: str, info: TensorInfo, layout: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Record the tensor's blocks, rows laid out as its dequantized values are, when asked to."""
+        rows = quant_rows(self.gguf, info) if self.quantized is not None else None
+        if rows is not None:
+            data = layout(rows.data)
+            if data.shape == rows.data.shape:  # a row permutation: blocks move with their rows
+                self.quantized[name] = QuantRows(rows.ggml_type, rows.k, data.contiguous())
 
     def _fix_layout(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.permuted and key == "attn_q":
@@ -165,11 +201,12 @@ class _Converter:
         return kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
 
 
-def gguf_weights(gguf: GGUFFile, hf: dict[str, Any], wants: Wants, progress: bool = False
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(gguf: GGUFFile, hf: dict[str, Any], wants: Wants, progress: bool = False,
+                 quantized: dict[str, QuantRows] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor `wants` accepts, dequantized one at a time;
-    a tqdm bar on stderr when `progress`."""
-    converter = _Converter(gguf, hf, wants)
+    a tqdm bar on stderr when `progress`. With `quantized`, also the blocks of each 2-D Q4_1 or
+    Q8_0 tensor, by HF name, for the GEMMs that multiply by them (engine/models/cpu_gemm.py)."""
+    converter = _Converter(gguf, hf, wants, quantized)
     bar = tqdm(total=len(gguf.tensors), desc=f"dequantizing {gguf.path.name}", unit="tensor",
                file=sys.stderr, disable=not progress, leave=False)
     with bar:

@@ -35,9 +35,14 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
 from engine import envs
+from engine.gguf.weights import QuantRows
 from engine.ops import cpu_ops
 from engine.worker.huge_pages import to_huge_pages
+
+log = logging.getLogger(__name__)
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the AMX panels run a bf16 linear where oneDNN is there too (see above).
@@ -83,13 +88,32 @@ def onednn_supports(weight: torch.Tensor) -> bool:
     return True
 
 
+def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor | None:
+    """The GGUF blocks `weight` was dequantized from, packed for the panel GEMMs
+    (csrc/cpu_quant_panels.h), where this CPU's GEMM of the weight's dtype takes them and they
+    dequantize to exactly `weight` (checked here, once); else None."""
+    if rows is None or envs.disable_quant_panels() or tuple(weight.shape) != (rows.data.shape[0], rows.k):
+        return None
+    ops = torch.ops.kvsentry
+    if not hasattr(ops, "quant_panels_pack") or not ops.quant_panels_supported(weight.dtype):
+        return None
+    packed = ops.quant_panels_pack(rows.data, rows.ggml_type, rows.k)
+    if not torch.equal(ops.quant_panels_unpack(packed, weight.shape[0], weight.dtype), weight):
+        log.warning("GGUF blocks of a %s weight do not dequantize to it; using its %s panels",
+                    list(weight.shape), weight.dtype)
+        return None
+    return packed
+
+
 class PackedLinear:
     """y = x @ W^T + b with W [out, in] packed once: in panels (panels_supported), for
     oneDNN, or both (AMX bf16, float32: panels up to `panel_max_rows` rows, oneDNN beyond);
-    falls back to a contiguous W^T and addmm/matmul where neither is usable. Immutable after
-    construction."""
+    falls back to a contiguous W^T and addmm/matmul where neither is usable. Where W came
+    from a GGUF checkpoint's Q4_1 or Q8_0 blocks (`rows`), the panels are those blocks, which
+    the GEMMs dequantize as they go: the same products of the same values, from a third to a
+    sixth of the bytes. Immutable after construction."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: QuantRows | None = None):
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -101,12 +125,15 @@ class PackedLinear:
         # Rows up to which a call runs through the panels (None: every size).
         self.panel_max_rows: int | None = limit
         # bf16: [ceil(out / 64), 16 ceil(in / 32), 64, 2]; float32: [ceil(out / 64), in, 64];
-        # or None: see panels_supported.
+        # GGUF blocks: [ceil(out / 64), in / 32, block bytes] uint8; or None: see panels_supported.
         self.panels = None
         if panels and limit != 0:
             name = _PANEL_OPS[weight.dtype]
+            packed = quant_panels(weight, rows)
+            if packed is None:
+                packed = getattr(torch.ops.kvsentry, f"{name}_pack")(weight)
             # On huge pages: a decode step streams every panel from memory (engine/worker/huge_pages.py).
-            self.panels = to_huge_pages(getattr(torch.ops.kvsentry, f"{name}_pack")(weight))
+            self.panels = to_huge_pages(packed)
             self._panel_gemm = getattr(torch.ops.kvsentry, name)
         if self.onednn:
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
@@ -132,13 +159,20 @@ class PackedLinear:
 
 def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
     """One PackedLinear computing the concatenated outputs of `layers` (same input):
-    one pass over the activations for q|k|v or gate|up."""
+    one pass over the activations for q|k|v or gate|up (their GGUF blocks too, where all have
+    blocks of one type)."""
     weight = torch.cat([layer.weight for layer in layers])
+    quant = [getattr(layer, "gguf_rows", None) for layer in layers]
+    rows = None
+    if all(q is not None for q in quant) and len({(q.ggml_type, q.k) for q in quant}) == 1:
+        rows = QuantRows(quant[0].ggml_type, quant[0].k, torch.cat([q.data for q in quant]))
+    for layer in layers:
+        layer.gguf_rows = None
     biases = [layer.bias for layer in layers]
     if all(b is None for b in biases):
         bias = None
     else:
         bias = torch.cat([b if b is not None else layer.weight.new_zeros(layer.out_features)
                           for layer, b in zip(layers, biases)])
-    return PackedLinear(weight, bias)
+    return PackedLinear(weight, bias, rows)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.ops.attention import AttentionMetadata
 from engine.ops.write_guard import WriteGuard
+from engine.gguf.weights import QuantRows
 from engine.models.cpu_gemm import PackedLinear, fused_linear
 from engine.ops import fused_ops
 
@@ -51,11 +52,14 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.keep_weight = keep_weight  # the weight is also read directly (MLA's absorbed decode)
         self.packed: PackedLinear | None = None
+        # The GGUF blocks the weight was dequantized from, until packing (engine/worker/loader.py).
+        self.gguf_rows: QuantRows | None = None
 
     def pack(self) -> None:
         if self.weight.numel() == 0:  # released: a fused layer computes it
             return
-        self.packed = PackedLinear(self.weight, self.bias)
+        self.packed = PackedLinear(self.weight, self.bias, self.gguf_rows)
+        self.gguf_rows = None
         if not self.keep_weight:
             self.release()
 

@@ -13,9 +13,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.gguf.reader import is_gguf_path, read_gguf
-from engine.gguf.weights import gguf_weights
+from engine.gguf.weights import QuantRows, gguf_weights
+from engine.models.layers import Linear
 from engine.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -51,10 +53,12 @@ def load_model(config: EngineConfig) -> nn.Module:
     path = config.model.path
     with torch.device(config.device):
         model = build_model(config)
+    quantized: dict[str, QuantRows] = {}
     if is_gguf_path(path):
         # One bar per machine is enough: DP rank 0 draws it, on a terminal only.
         progress = sys.stderr.isatty() and config.parallel.data_parallel_rank == 0
-        weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress)
+        keep = quantized if config.device == "cpu" and not envs.disable_quant_panels() else None
+        weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress, keep)
     else:
         weights = safetensors_weights(path, model)
     loaded: set[str] = set()
@@ -65,8 +69,21 @@ def load_model(config: EngineConfig) -> nn.Module:
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
     model = model.to(config.model.dtype).eval()
+    attach_quant_rows(model, quantized)
     model.prepare_for_inference()
     logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),
                 str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
                 config.parallel.data_parallel_rank)
     return model
+
+
+def attach_quant_rows(model: nn.Module, quantized: dict[str, QuantRows]) -> None:
+    """Hand each Linear the GGUF blocks of its weight (a tied LM head those of the embedding it
+    shares), for packing (Linear.pack, cpu_gemm.PackedLinear)."""
+    if not quantized:
+        return
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_param = {id(params[name]): rows for name, rows in quantized.items() if name in params}
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module.weight) in by_param:
+            module.gguf_rows = by_param[id(module.weight)]

@@ -1,0 +1,127 @@
+// GGUF-quantized panels (cpu_quant_panels.h): packing, and the dequantized weight back.
+//
+//   packed = torch.ops.kvsentry.quant_panels_pack(raw, type, k)
+//            raw [N, K / 32 * type size] uint8: a GGUF tensor's rows of Q4_1 (type 3, 20-byte
+//            blocks) or Q8_0 (type 8, 34-byte blocks) -> [ceil(N / 64), K / 32, block bytes]
+//            uint8, which bf16_gemm and f32_gemm take in place of their own packed weight
+//   w = torch.ops.kvsentry.quant_panels_unpack(packed, N, dtype)  -> [N, K] bf16 or float32,
+//            through the GEMMs' own dequantizing code: what they multiply by
+//   torch.ops.kvsentry.quant_panels_supported(dtype) -> bool  the GEMM of that dtype takes them
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_quant_panels.h"
+
+namespace {
+
+using at::Tensor;
+using namespace kvsentry_quant;
+constexpr const char* kOp = "kvsentry::quant_panels";
+
+int64_t gguf_block_bytes(int64_t type) { return type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0; }
+
+// One GGUF block (a row's 32 K) into output `o` of a panel block `dst`.
+void place(const uint8_t* src, int64_t type, int64_t o, uint8_t* dst) {
+  const int64_t g = o / 16, i = o % 16, half = i / 8, lane0 = 2 * (i % 8);
+  std::memcpy(dst + 2 * o, src, 2);  // the scale
+  if (type == kQ4_1) {
+    std::memcpy(dst + kScales + 2 * o, src + 2, 2);  // the minimum
+    uint8_t* q = dst + 2 * kScales;
+    for (int64_t k = 0; k < kBlockK; ++k) {
+      const uint8_t v = k < 16 ? src[4 + k] & 0x0F : src[4 + k - 16] >> 4;
+      uint8_t& byte = q[(k / 2 * 4 + g) * 16 + lane0 + k % 2];
+      byte = static_cast<uint8_t>(byte | (half ? v << 4 : v));
+    }
+  } else {
+    uint8_t* q = dst + kScales;
+    for (int64_t k = 0; k < kBlockK; ++k) q[(k / 2 * 4 + g) * 32 + 16 * half + lane0 + k % 2] = src[2 + k];
+  }
+}
+
+Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
+  const int64_t gguf_bytes = gguf_block_bytes(type);
+  TORCH_CHECK(gguf_bytes > 0, kOp, "_pack: GGML type ", type, " has no panels (Q4_1 = 3 and Q8_0 = 8 do)");
+  TORCH_CHECK(k > 0 && k % kBlockK == 0, kOp, "_pack: K = ", k, " is not whole blocks of 32");
+  const int64_t blocks = k / kBlockK;
+  TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte && raw_in.device().is_cpu() &&
+                  raw_in.size(1) == blocks * gguf_bytes,
+              kOp, "_pack: raw must be CPU uint8 [N, ", blocks * gguf_bytes, "], got ", raw_in.sizes());
+  const Tensor raw = raw_in.contiguous();
+  const int64_t n = raw.size(0), panels = (n + kOutputs - 1) / kOutputs, bytes = block_bytes(type);
+  Tensor packed = at::zeros({panels, blocks, bytes}, raw.options());  // padding outputs: scale 0, quants 0
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t o = 0; o < kOutputs && panel * kOutputs + o < n; ++o) {
+        const uint8_t* row = src + (panel * kOutputs + o) * blocks * gguf_bytes;
+        for (int64_t b = 0; b < blocks; ++b) place(row + b * gguf_bytes, type, o, dst + (panel * blocks + b) * bytes);
+      }
+    }
+  });
+  return packed;
+}
+
+bool supported(at::ScalarType dtype) {
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return __builtin_cpu_supports("avx512f");
+  if (dtype == at::kBFloat16) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#endif
+  (void)dtype;
+  return false;
+}
+
+Tensor unpack(const Tensor& packed, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(supported(dtype), kOp, "_unpack: no ", dtype, " panels on this CPU (or build)");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  type_of(packed.size(2)) >= 0,
+              kOp, "_unpack: packed must come from quant_panels_pack");
+  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlockK;
+  TORCH_CHECK(n > (panels - 1) * kOutputs && n <= panels * kOutputs, kOp, "_unpack: N = ", n,
+              " does not fit ", panels, " panels");
+  const Panels w = Panels::of(packed.data_ptr<uint8_t>(), blocks, packed.size(2));
+  Tensor out = at::empty({n, k}, packed.options().dtype(dtype));
+#if defined(__AVX512F__)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t width = std::min(kOutputs, n - p * kOutputs);
+    if (dtype == at::kFloat) {
+      std::vector<float> panel(k * kOutputs);
+      dequant_f32(w, p, panel.data());
+      float* o = out.data_ptr<float>() + p * kOutputs * k;
+      for (int64_t r = 0; r < width; ++r) {
+        for (int64_t c = 0; c < k; ++c) o[r * k + c] = panel[c * kOutputs + r];
+      }
+    } else {
+      std::vector<uint16_t> panel(k * kOutputs);
+      dequant_bf16(w, p, 0, blocks, panel.data());
+      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + p * kOutputs * k;
+      for (int64_t r = 0; r < width; ++r) {
+        for (int64_t c = 0; c < k; ++c) o[r * k + c] = panel[(c / 2 * kOutputs + r) * 2 + c % 2];
+      }
+    }
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
+  m.def("quant_panels_pack(Tensor raw, int type, int k) -> Tensor");
+  m.def("quant_panels_unpack(Tensor packed, int n, ScalarType dtype) -> Tensor");
+  m.def("quant_panels_supported(ScalarType dtype) -> bool", &supported);
+}
+
+TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
+  m.impl("quant_panels_pack", &pack);
+  m.impl("quant_panels_unpack", &unpack);
+}

@@ -1,0 +1,119 @@
+"""csrc/cpu_quant_panels.h: GGUF Q4_1 / Q8_0 blocks as panels. Their dequantized values are
+ggml's reference dequantization (gguf.dequantize) bit for bit, and the bf16 and float32 panel
+GEMMs give bit for bit the results of their own panels packed from those values, on every row
+path (one row, AMX tiles of up to 16 rows, chunked passes past 16, the vdpbf16ps tiles).
+Skipped on CPUs without AVX-512 (and AVX512-BF16 for bf16), where the engine keeps the plain
+weights. Needs the ops built (`kvsentry_ops`)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_1, Q.Q8_0]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, k / 32 * block bytes] of a random weight quantized by gguf (ggml's reference)."""
+    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    return np.ascontiguousarray(gguf.quantize(values, qtype))
+
+
+def dequantized(raw: np.ndarray, qtype: Q, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
+
+
+def supported(ops, dtype: torch.dtype) -> None:
+    if not ops.quant_panels_supported(dtype):
+        pytest.skip(f"no {dtype} quantized panels on this CPU: the engine multiplies by the plain weights")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(64, 32), (200, 96), (960, 576), (1, 64)])
+def test_unpack_is_ggmls_dequantization(kvsentry_ops, qtype, dtype, n, k):
+    """Every output, partial last panels included: d * q (+ m) in float32, rounded to nearest
+    even for bf16, exactly as gguf's numpy reference and torch's cast."""
+    supported(kvsentry_ops, dtype)
+    raw = blocks(qtype, n, k, seed=n + k)
+    packed = kvsentry_ops.quant_panels_pack(torch.from_numpy(raw), int(qtype), k)
+    assert packed.dtype == torch.uint8 and packed.shape[:2] == ((n + 63) // 64, k // 32)
+    got = kvsentry_ops.quant_panels_unpack(packed, n, dtype)
+    assert torch.equal(got, dequantized(raw, qtype, n, k).to(dtype))
+
+
+def test_extreme_scales_and_minima(kvsentry_ops):
+    """float16 scales and minima at their extremes (largest, subnormal, negative, zero) and
+    every 4-bit value: still the reference's values."""
+    supported(kvsentry_ops, torch.float32)
+    n, k = 64, 64
+    raw = blocks(Q.Q4_1, n, k, seed=1).reshape(n, k // 32, 20)
+    specials = np.array([65504.0, -65504.0, 6e-8, -6e-8, 0.0, 1.0, -0.5, 3.1e-5], dtype=np.float16)
+    rng = np.random.default_rng(2)
+    raw[..., 0:2] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
+    raw[..., 2:4] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
+    raw[..., 4:] = np.arange(16, dtype=np.uint8) * 17  # both nibbles take every value
+    raw = np.ascontiguousarray(raw.reshape(n, -1))
+    packed = kvsentry_ops.quant_panels_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
+    reference = dequantized(raw, Q.Q4_1, n, k)
+    for dtype in DTYPES:
+        if kvsentry_ops.quant_panels_supported(dtype):
+            assert torch.equal(kvsentry_ops.quant_panels_unpack(packed, n, dtype), reference.to(dtype))
+
+
+# Rows: one, the vdpbf16ps / float32 register tiles (2-6), AMX's single pass (16), chunked
+# passes (17, 40, 64, with the L2 prefetch at 49-64), past the 96-row chunk of the vector
+# kernels (100), empty. Shapes: partial panels, K of 1 to 48 blocks (the default model's).
+ROWS = [1, 2, 5, 16, 17, 40, 64, 100, 0]
+SHAPES = [(200, 96), (960, 576), (576, 1536)]
+
+
+def plain_and_quant(ops, qtype: Q, dtype: torch.dtype, n: int, k: int):
+    raw = blocks(qtype, n, k, seed=7 * n + k)
+    weight = dequantized(raw, qtype, n, k).to(dtype)
+    pack = ops.f32_gemm_pack if dtype == torch.float32 else ops.bf16_gemm_pack
+    return pack(weight), ops.quant_panels_pack(torch.from_numpy(raw), int(qtype), k)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemm_equals_the_plain_panels_bit_for_bit(kvsentry_ops, qtype, dtype, n, k):
+    supported(kvsentry_ops, dtype)
+    plain, quant = plain_and_quant(kvsentry_ops, qtype, dtype, n, k)
+    bias = torch.randn(n).to(dtype)
+    kernels = [None]
+    if dtype == torch.bfloat16:
+        gemm = kvsentry_ops.bf16_gemm
+        kernels = list(kvsentry_ops.bf16_gemm_kernels())
+    else:
+        gemm = kvsentry_ops.f32_gemm
+    for m in ROWS:
+        x = torch.randn(m, k).to(dtype)
+        for b in (None, bias):
+            for kernel in kernels:
+                if kernel is None:
+                    want, got = gemm(x, plain, b, n), gemm(x, quant, b, n)
+                else:
+                    want = kvsentry_ops.bf16_gemm_with(x, plain, b, n, kernel)
+                    got = kvsentry_ops.bf16_gemm_with(x, quant, b, n, kernel)
+                assert torch.equal(got, want), (m, kernel, b is not None)
+
+
+def test_bad_arguments_are_refused(kvsentry_ops):
+    raw = torch.from_numpy(blocks(Q.Q4_1, 8, 64, seed=3))
+    with pytest.raises(RuntimeError, match="has no panels"):
+        kvsentry_ops.quant_panels_pack(raw, int(Q.Q4_0), 64)
+    with pytest.raises(RuntimeError, match="whole blocks of 32"):
+        kvsentry_ops.quant_panels_pack(raw, int(Q.Q4_1), 48)
+    with pytest.raises(RuntimeError, match="raw must be"):
+        kvsentry_ops.quant_panels_pack(raw, int(Q.Q4_1), 96)
+    packed = kvsentry_ops.quant_panels_pack(raw, int(Q.Q4_1), 64)
+    supported(kvsentry_ops, torch.float32)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        kvsentry_ops.f32_gemm(torch.randn(2, 96), packed, None, 8)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kvsentry_ops.quant_panels_unpack(packed, 65, torch.float32)

@@ -1,0 +1,53 @@
+"""A GGUF checkpoint's Q4_1 and Q8_0 linears run from their own blocks on CPU
+(engine/models/cpu_gemm.py's quant_panels, csrc/cpu_quant_panels.h): the fused q|k|v and
+gate|up, o_proj, down_proj and a tied LM head hold uint8 panels, and the engine serves exactly
+the tokens and log-probs it serves from the plain panels (KVSENTRY_DISABLE_QUANT_PANELS=1)."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.cpu_gemm import PackedLinear
+from tests.engine.gguf_convert import write_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+def _quant_supported(dtype: torch.dtype) -> bool:
+    from engine.ops import cpu_ops
+    return (cpu_ops.available() and hasattr(torch.ops.kvsentry, "quant_panels_supported")
+            and bool(torch.ops.kvsentry.quant_panels_supported(dtype)))
+
+
+def _packed(llm: LLM) -> list[PackedLinear]:
+    model = llm.engine.runner.model
+    return [p for layer in model.model.layers for p in (layer.self_attn.qkv, layer.self_attn.o_proj.packed,
+                                                        layer.mlp.gate_up, layer.mlp.down_proj.packed)
+            ] + [model.lm_head.packed]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_path, monkeypatch, dtype):
+    if not _quant_supported(dtype):
+        pytest.skip(f"no {dtype} quantized panels on this CPU")
+    directory = checkpoint("tiny-llama")
+    path = write_gguf(directory, tmp_path / "q.gguf",
+                      qtype=lambda name, t: Q.Q8_0 if name.startswith(("token_embd", "output.")) else Q.Q4_1)
+    prompts = [[5, 9, 33, 2, 17], list(range(40, 71)), list(range(3, 100, 2))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    args = dict(tokenizer=directory, max_model_len=256, kv_cache_memory="8MiB", num_threads=1,
+                dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False)
+    quant = LLM(str(path), **args)
+    linears = _packed(quant)
+    assert linears and all(p is not None and p.panels is not None and p.panels.dtype == torch.uint8
+                           for p in linears), [None if p is None else p.panels.dtype for p in linears]
+    got = quant.generate(prompts, params)
+    monkeypatch.setenv("KVSENTRY_DISABLE_QUANT_PANELS", "1")
+    plain = LLM(str(path), **args)
+    assert all(p.panels.dtype == dtype for p in _packed(plain) if p is not None and p.panels is not None)
+    want = plain.generate(prompts, params)
+    for ref, out in zip(want, got):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
