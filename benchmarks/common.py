@@ -122,8 +122,8 @@ def prompt_token_range(path: str) -> tuple[int, int]:
 def hf_checkpoint(path: str) -> str:
     """A .gguf file dequantized once (by transformers, float32) into a safetensors checkpoint dir with
     its tokenizer, cached under the kvsentry cache dir; any other path is returned as it is. Peers that
-    cannot run the GGUF (vLLM's CPU build does not start on it) serve this dir, and so does kvsentry
-    beside them: the same weights, bit for bit."""
+    cannot run the GGUF (vLLM's CPU build does not start on it) serve this dir: the weights kvsentry
+    dequantizes from the file, bit for bit."""
     source = Path(path)
     if source.suffix != ".gguf":
         return path

@@ -1,7 +1,7 @@
 """HTTP load generator for any OpenAI-compatible server: output tokens/s, TTFT and ITL.
 
-README rows, the real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized once into a
-float32 safetensors dir that both servers load), fixed-128 and mixed 16..512 at concurrency
+README rows, the real default model (SmolLM2-135M-Instruct: kvsentry serves its Q4_1 GGUF, vLLM
+the same weights dequantized once into a float32 safetensors dir), fixed-128 and mixed 16..512 at concurrency
 1/8/32/64, 1 compute thread each, float32 (~30 min) then bfloat16 (~25 min); about 15 min of
 each are the 16 server starts (vLLM ~80 s each: it compiles its model at every start):
 
@@ -29,9 +29,10 @@ divergence is judged by a float32 transformers model's logits).
     # against a running server (no comparison)
     .venv/bin/python benchmarks/serve.py --url http://127.0.0.1:8000
 
-MODEL for --start-* is a checkpoint directory, "default" or a .gguf file (dequantized once into
-a cached checkpoint dir: vLLM's CPU build does not start on a GGUF), or a preset name of
-service.demo.checkpoint (written once into the kvsentry cache dir); vLLM runs from
+MODEL for --start-* is a checkpoint directory, "default" or a .gguf file, or a preset name of
+service.demo.checkpoint (written once into the kvsentry cache dir). A GGUF file is dequantized
+once into a cached checkpoint dir for vLLM, whose CPU build does not start on a GGUF; kvsentry
+serves the file itself, as its users run it (--kvsentry-dequantized: the dir too). vLLM runs from
 /work/shared/peers/vllm-cpu.sh. Prompt token ids are drawn from the started checkpoint's
 vocabulary above its special tokens unless --token-range says otherwise.
 ITL is each request's mean time between tokens after the first, (t_last - t_first) /
@@ -52,7 +53,7 @@ import httpx
 
 from common import (DTYPES, load_transformers, logit_gap, prompt_token_range, require_equal_up_to_near_ties,
                     require_identical)
-from servers import ROOT, KvsentryServer, VllmServer, resolve_model, thread_cpu_seconds
+from servers import ROOT, KvsentryServer, VllmServer, kvsentry_model, resolve_model, thread_cpu_seconds
 
 sys.path.insert(0, str(ROOT))
 from engine import envs  # noqa: E402
@@ -320,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvsentry-threads", type=int, help="kvsentry's alone (default: --threads)")
     p.add_argument("--vllm-threads", type=int, help="vLLM's alone (default: --threads)")
     p.add_argument("--kvsentry-args", default="", help="extra `kvsentry serve` flags")
+    p.add_argument("--kvsentry-dequantized", action="store_true",
+                   help="kvsentry serves a GGUF's dequantized dir, as vLLM does, not the file")
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     p.add_argument("--max-model-len", type=int, default=1024, help="context length both servers are started with")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64],
@@ -346,10 +349,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs: dict[str, list[RunResult]] = {}
-    started = {name: (server, resolve_model(model)) for name, server, model in
-               (("kvsentry", KvsentryServer, args.start_kvsentry), ("vllm", VllmServer, args.start_vllm)) if model}
+    started = {}
+    if args.start_kvsentry:
+        started["kvsentry"] = (KvsentryServer, kvsentry_model(args.start_kvsentry, args.kvsentry_dequantized))
+    if args.start_vllm:
+        started["vllm"] = (VllmServer, resolve_model(args.start_vllm))
     if args.token_range is None:
         args.token_range = prompt_token_range(next(iter(started.values()))[1]) if started else URL_TOKEN_RANGE
+    for name, (_, model) in started.items():
+        print(f"{name} serves {model}", flush=True)
     print(f"prompt token ids from [{args.token_range[0]}, {args.token_range[1]}), {args.dtype}", flush=True)
     print(header(), flush=True)
     if args.url:
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = sum(r.errors for rs in runs.values() for r in rs)
     if "kvsentry" in runs and "vllm" in runs:
         print(ratio_table(runs["kvsentry"], runs["vllm"]))
-        print(compare_outputs(runs["kvsentry"], runs["vllm"], started["kvsentry"][1], args))
+        print(compare_outputs(runs["kvsentry"], runs["vllm"], started["vllm"][1], args))  # an HF dir
     if errors:
         print(f"FAIL: {errors} requests failed", file=sys.stderr)
     return 1 if errors else 0

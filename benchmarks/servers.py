@@ -38,6 +38,15 @@ def resolve_model(model: str) -> str:
     return str(default_demo_path(model))
 
 
+def kvsentry_model(model: str, dequantized: bool) -> str:
+    """What kvsentry serves: "default" or a .gguf file as the file itself, as `kvsentry serve`
+    runs it (its Q4_1 and Q8_0 linears multiplied from their own blocks, which dequantize to
+    exactly the weights of resolve_model's dir); that dir with `dequantized`; else resolve_model."""
+    if (model == DEFAULT_MODEL or model.endswith(".gguf")) and not dequantized:
+        return bench_checkpoint(model)
+    return resolve_model(model)
+
+
 def wait_ready(endpoint: str, proc: subprocess.Popen | None = None, timeout: float = 600.0) -> None:
     """Until GET `endpoint` answers 200; fails early when `proc` exits."""
     deadline = time.monotonic() + timeout
