@@ -60,6 +60,18 @@ bool supported() {
   return has;
 }
 
+// y[r, chunk c] = acc[r][c] + bias for the outputs within `width`.
+template <int R, int C>
+__attribute__((target("avx512f"), always_inline)) inline void store_tile(const __m512 (&acc)[R][C], const float* bias,
+                                                                        float* y, int64_t ys, int64_t width) {
+  for (int c = 0; c < C; ++c) {
+    __mmask16 mask;
+    __m512 b;
+    if (!output_chunk(c, width, bias, mask, b)) break;
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ys + 16 * c, mask, _mm512_add_ps(acc[r][c], b));
+  }
+}
+
 // acc[r][16 c : 16 c + 16] += x[r, p] * (the P panels side by side)[p][16 c : 16 c + 16] for p
 // in [0, k): R rows of x (row stride xs) against P adjacent panels; then y[r, 0:width] = acc +
 // bias (rows of stride ys, `width` valid outputs over the P panels).
@@ -89,16 +101,43 @@ __attribute__((target("avx512f"))) void tile(const float* x, int64_t xs, const f
       }
     }
   }
-  for (int c = 0; c < 4 * P; ++c) {
-    __mmask16 mask;
-    __m512 b;
-    if (!output_chunk(c, width, bias, mask, b)) break;
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ys + 16 * c, mask, _mm512_add_ps(acc[r][c], b));
+  store_tile<R, 4 * P>(acc, bias, y, ys, width);
+}
+
+// tile<R, 1> against a GGUF-quantized panel: each block of 32 K is dequantized into L1 (two
+// buffers in turn) right before its multiply-adds, in the same K order, the accumulators in
+// registers throughout. For one row tile (up to kRows rows): more would dequantize again.
+template <int R>
+__attribute__((target("avx512f"))) void tile_dequant(const float* x, int64_t xs, const kvsentry_quant::Panels& quant,
+                                                     int64_t panel, const float* bias, float* y, int64_t ys,
+                                                     int64_t width) {
+  constexpr int64_t kBlockK = kvsentry_quant::kBlockK;
+  alignas(64) float blocks[2][kBlockK * kPanel];
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   }
+  for (int64_t b = 0; b < quant.blocks; ++b) {
+    const float* w = blocks[b & 1];
+    kvsentry_quant::dequant_f32(quant, panel, b, b + 1, blocks[b & 1]);
+    for (int64_t p = b * kBlockK; p < (b + 1) * kBlockK; ++p, w += kPanel) {
+      __m512 wq[4];
+      for (int j = 0; j < 4; ++j) wq[j] = _mm512_load_ps(w + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * xs + p]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wq[j], acc[r][j]);
+      }
+    }
+  }
+  store_tile<R, 4>(acc, bias, y, ys, width);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
+using DequantTileFn = void (*)(const float*, int64_t, const kvsentry_quant::Panels&, int64_t, const float*, float*,
+                               int64_t, int64_t);
+constexpr DequantTileFn kDequantTiles[kRows + 1] = {nullptr,         tile_dequant<1>, tile_dequant<2>, tile_dequant<3>,
+                                                    tile_dequant<4>, tile_dequant<5>, tile_dequant<6>};
 #else
 bool supported() { return false; }
 #endif
@@ -151,6 +190,16 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
                                                                  bp != nullptr ? bp + col : nullptr, yp + col, n,
                                                                  std::min(group * kPanel, n - col));
         panel += group;
+      }
+    });
+    return y;
+  }
+  if (quant && m <= kRows) {  // one row tile: each panel dequantized block by block as it goes
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t col = panel * kPanel;
+        kDequantTiles[m](xp, xs, qp, panel, bp != nullptr ? bp + col : nullptr, yp + col, n,
+                         std::min(kPanel, n - col));
       }
     });
     return y;

@@ -95,7 +95,7 @@ Tensor unpack(const Tensor& packed, int64_t n, at::ScalarType dtype) {
     const int64_t width = std::min(kOutputs, n - p * kOutputs);
     if (dtype == at::kFloat) {
       std::vector<float> panel(k * kOutputs);
-      dequant_f32(w, p, panel.data());
+      dequant_f32(w, p, 0, blocks, panel.data());
       float* o = out.data_ptr<float>() + p * kOutputs * k;
       for (int64_t r = 0; r < width; ++r) {
         for (int64_t c = 0; c < k; ++c) o[r * k + c] = panel[c * kOutputs + r];

@@ -100,18 +100,23 @@ struct BlockLanes {
   }
 };
 
+// Pair `pair`'s sixteenth of the lines of the block kAheadBlocks past `src` (of `bytes`), into L2.
+inline void prefetch_ahead(const uint8_t* src, int64_t bytes, int pair) {
+  const char* ahead = reinterpret_cast<const char*>(src) + kAheadBlocks * bytes;
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t l = pair * lines / 16; l < (pair + 1) * lines / 16; ++l) kvsentry_mem::prefetch_l2(ahead + 64 * l);
+}
+
 // Blocks [b0, b1) of panel `p` into the bf16 GEMM's panel layout (16 pairs x 64 x 2 bf16 a
 // block, from dst).
 __attribute__((target("avx512f,avx512bf16"))) inline void dequant_bf16(const Panels& w, int64_t p, int64_t b0,
                                                                        int64_t b1, uint16_t* dst) {
   const int64_t bytes = block_bytes(w.type);
   const uint8_t* src = w.panel(p) + b0 * bytes;
-  const int64_t lines = (bytes + 63) / 64;
   for (int64_t blk = b0; blk < b1; ++blk, src += bytes) {
     const BlockLanes lanes(src, w.type);
-    const char* ahead = reinterpret_cast<const char*>(src) + kAheadBlocks * bytes;
     for (int pair = 0; pair < 16; ++pair) {
-      for (int64_t l = pair * lines / 16; l < (pair + 1) * lines / 16; ++l) kvsentry_mem::prefetch_l2(ahead + 64 * l);
+      prefetch_ahead(src, bytes, pair);
       for (int g = 0; g < 4; ++g, dst += 32) {
         __m512 a, b;
         lanes.at(pair, g, a, b);
@@ -122,16 +127,18 @@ __attribute__((target("avx512f,avx512bf16"))) inline void dequant_bf16(const Pan
   }
 }
 
-// Panel `p` into the float32 GEMM's panel layout ([K, 64] float32 at dst): K = 2 pair + e is
-// the e lanes of A, then of B.
-__attribute__((target("avx512f"))) inline void dequant_f32(const Panels& w, int64_t p, float* dst) {
-  const uint8_t* src = w.panel(p);
+// Blocks [b0, b1) of panel `p` into the float32 GEMM's panel layout (32 K x 64 float32 a block,
+// from dst): K = 2 pair + e is the e lanes of A, then of B.
+__attribute__((target("avx512f"))) inline void dequant_f32(const Panels& w, int64_t p, int64_t b0, int64_t b1,
+                                                          float* dst) {
   const int64_t bytes = block_bytes(w.type);
+  const uint8_t* src = w.panel(p) + b0 * bytes;
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t blk = 0; blk < w.blocks; ++blk, src += bytes) {
+  for (int64_t blk = b0; blk < b1; ++blk, src += bytes) {
     const BlockLanes lanes(src, w.type);
     for (int pair = 0; pair < 16; ++pair, dst += 2 * kOutputs) {
+      prefetch_ahead(src, bytes, pair);
       for (int g = 0; g < 4; ++g) {
         __m512 a, b;
         lanes.at(pair, g, a, b);
@@ -168,7 +175,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline const uint16_t* bf16_panel(
 
 __attribute__((target("avx512f"))) inline const float* f32_panel(const Panels& w, int64_t p) {
   auto* dst = static_cast<float*>(scratch(w.blocks * kBlockK * kOutputs * 4));
-  dequant_f32(w, p, dst);
+  dequant_f32(w, p, 0, w.blocks, dst);
   return dst;
 }
 #endif

@@ -25,6 +25,16 @@ one Xeon core, the default model's 30 layers: 1.43x oneDNN at 1 row, 1.37x at 8,
 1.12x at 64, but 0.88x at 128 and 0.55x at 1024 rows, where oneDNN's blocking reaches 1.1-1.2
 TFLOP/s.
 
+From a GGUF checkpoint (the default model), a Q4_1 or Q8_0 linear's panels are its own blocks
+(csrc/cpu_quant_panels.h), which the same GEMMs dequantize block by block as they go: the
+products of the very values the dequantized weight holds (checked bit for bit when packing),
+from 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2 (bf16) or 4 (float32). A decode
+step streams its weights, so on one Xeon core the default model's 30 layers at 1 row take
+9.0 instead of 17.3 ms in bf16 (its Q8_0 LM head 2.9 instead of 4.4), 12.9 instead of 20.7 ms
+at 32 rows, 18.7 instead of 24.6 ms at 64; float32 8.0 instead of 27.2 ms at 1 row (a row
+tile of up to 6 rows dequantizes each block into L1 right before its multiply-adds), 11.1
+instead of 40.4 ms at 4 rows, 19.9 instead of 40.1 ms at 8.
+
 float32 on CPUs with AVX-512: steps of up to F32_PANEL_MAX_ROWS rows go through
 csrc/cpu_f32_gemm.cpp's 64-output panels, oneDNN beyond, both copies kept
 (KVSENTRY_DISABLE_F32_PANELS=1 keeps oneDNN's alone, half the memory). On one Xeon core, the
@@ -49,6 +59,12 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 AMX_PANEL_MAX_ROWS = 64
 # Rows up to which the float32 panels run a float32 linear (oneDNN beyond; see above).
 F32_PANEL_MAX_ROWS = 64
+# The same for GGUF-quantized panels, which read a third (bf16) or a sixth (float32) of the
+# bytes: on one Xeon core, the default model's 30 layers against oneDNN's bf16 AMX kernels
+# 1.53x at 64 rows, 1.29x at 96, 1.10x at 128, 0.88x at 192; float32 1.44x at 64, 1.14x at
+# 128, 1.11x at 192, 1.02x at 256. A continuous batch of 64 decodes and a prompt's chunk (and
+# its LM head on 65 rows) lies past 64.
+QUANT_PANEL_MAX_ROWS = {torch.bfloat16: 128, torch.float32: 256}
 
 
 # The panel GEMM of each dtype: torch.ops.kvsentry.<name>_pack / <name> / <name>_supported.
@@ -64,16 +80,17 @@ def panels_supported(weight: torch.Tensor) -> bool:
     return hasattr(torch.ops.kvsentry, name) and bool(getattr(torch.ops.kvsentry, f"{name}_supported")())
 
 
-def panel_max_rows(dtype: torch.dtype) -> int | None:
+def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
     """The most rows a linear of `dtype` sends to its panels when oneDNN holds a copy too.
     bf16: AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere,
     0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone. float32: F32_PANEL_MAX_ROWS, or 0
-    where KVSENTRY_DISABLE_F32_PANELS keeps oneDNN alone."""
+    where KVSENTRY_DISABLE_F32_PANELS keeps oneDNN alone. `quantized` panels (GGUF blocks):
+    QUANT_PANEL_MAX_ROWS in place of either limit."""
     if dtype == torch.float32:
-        return 0 if envs.disable_f32_panels() else F32_PANEL_MAX_ROWS
+        return 0 if envs.disable_f32_panels() else QUANT_PANEL_MAX_ROWS[dtype] if quantized else F32_PANEL_MAX_ROWS
     if "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
         return None
-    return 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
+    return 0 if envs.disable_amx_panels() else QUANT_PANEL_MAX_ROWS[dtype] if quantized else AMX_PANEL_MAX_ROWS
 
 
 def onednn_supports(weight: torch.Tensor) -> bool:
@@ -118,7 +135,8 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         panels = panels_supported(weight)
-        limit = panel_max_rows(weight.dtype) if panels else 0
+        quant = quant_panels(weight, rows) if panels else None
+        limit = panel_max_rows(weight.dtype, quant is not None) if panels else 0
         self.onednn = onednn_supports(weight) and limit is not None  # None: the panels serve every size
         if panels and not self.onednn:
             limit = None  # no oneDNN copy: the panels run every size
@@ -129,9 +147,7 @@ class PackedLinear:
         self.panels = None
         if panels and limit != 0:
             name = _PANEL_OPS[weight.dtype]
-            packed = quant_panels(weight, rows)
-            if packed is None:
-                packed = getattr(torch.ops.kvsentry, f"{name}_pack")(weight)
+            packed = quant if quant is not None else getattr(torch.ops.kvsentry, f"{name}_pack")(weight)
             # On huge pages: a decode step streams every panel from memory (engine/worker/huge_pages.py).
             self.panels = to_huge_pages(packed)
             self._panel_gemm = getattr(torch.ops.kvsentry, name)

@@ -44,12 +44,11 @@ class FusedLayerStack:
         # (the panels where there are any): PackedLinear.uses_panels' choice, made per step.
         self.weights: list[torch.Tensor] = []
         self.panel_weights: list[torch.Tensor] = []
-        # One limit for all (cpu_gemm.AMX_PANEL_MAX_ROWS or F32_PANEL_MAX_ROWS); None: no linear
-        # holds both copies.
+        # One limit for all: the least of the linears' (cpu_gemm.panel_max_rows), which each
+        # holding both copies may take; None: no linear holds both copies.
         limits = {linear.panel_max_rows for layer in layers for linear in _linears(layer)
                   if linear.panels is not None and linear.onednn}
-        assert len(limits) <= 1, limits
-        self.panel_rows: int | None = limits.pop() if limits else None
+        self.panel_rows: int | None = min(limits) if limits else None
         self.biases: list[torch.Tensor | None] = []
         self.out_features: list[int] = []
         self.qk_norms: list[torch.Tensor] = []

@@ -132,7 +132,7 @@ def test_both_weight_copies_pick_by_step_size_as_the_loop_does(kvsentry_ops, che
     take both (on any CPU with the panels: bf16_gemm runs its best kernel)."""
     if not kvsentry_ops.bf16_gemm_supported() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no bf16 panels or no oneDNN bf16 here: a linear holds one copy")
-    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda dtype: 16)
+    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda dtype, quantized=False: 16)
     fused = assert_fused_equals_loop(checkpoint("tiny-llama", num_hidden_layers=3), torch.bfloat16, monkeypatch)
     stack = fused.runner.model.model.fused
     assert stack.panel_rows == 16 and stack.weights[1].is_mkldnn and not stack.panel_weights[1].is_mkldnn

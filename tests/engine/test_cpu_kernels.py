@@ -93,7 +93,7 @@ def test_bf16_linear_with_both_copies_picks_by_rows(monkeypatch):
     from engine.models import cpu_gemm
     if not _panels_and_onednn():
         pytest.skip("no bf16 panels or no oneDNN bf16 here: a linear holds one copy")
-    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda dtype: 8)
+    monkeypatch.setattr(cpu_gemm, "panel_max_rows", lambda dtype, quantized=False: 8)
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(96, 80, generator=gen) * 0.2).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.cpu_gemm import PackedLinear
+from engine.models.cpu_gemm import QUANT_PANEL_MAX_ROWS, PackedLinear
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -43,6 +43,8 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     linears = _packed(quant)
     assert linears and all(p is not None and p.panels is not None and p.panels.dtype == torch.uint8
                            for p in linears), [None if p is None else p.panels.dtype for p in linears]
+    # Past the plain panels' limit too, where they read fewer bytes than oneDNN's weight.
+    assert {p.panel_max_rows for p in linears} <= {None, QUANT_PANEL_MAX_ROWS[dtype]}
     got = quant.generate(prompts, params)
     monkeypatch.setenv("KVSENTRY_DISABLE_QUANT_PANELS", "1")
     plain = LLM(str(path), **args)
