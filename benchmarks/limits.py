@@ -8,7 +8,9 @@ Measures, on one thread:
   - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) packed as the engine runs
     them (cpu_gemm.PackedLinear), at 256 and 1024 rows, in GFLOP/s;
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
-    weights read per second at batch 1 and as forward GFLOP/s at batch 64.
+    weights read per second at batch 1 -- the bytes its linears hold as the step reads them: the
+    GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu_quant_panels.h), else the
+    dtype's -- and as forward GFLOP/s at batch 64.
 and prints each achieved figure beside its limit.
 """
 from __future__ import annotations
@@ -73,13 +75,21 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     # The matrices a decode step reads: every layer's four GEMMs and the LM head (the embedding
     # is a lookup of a few rows; norms are vectors). 2 FLOP per weight per token.
-    matrices = [w.out_features * w.in_features for layer in model.model.layers
-                for w in (layer.self_attn.qkv, layer.self_attn.o_proj.packed, layer.mlp.gate_up,
-                          layer.mlp.down_proj.packed)]
+    linears = [w for layer in model.model.layers
+               for w in (layer.self_attn.qkv, layer.self_attn.o_proj.packed, layer.mlp.gate_up,
+                         layer.mlp.down_proj.packed)]
     head = model.lm_head.packed
-    params = sum(matrices) + (head.out_features * head.in_features if head is not None
-                              else model.lm_head.weight.numel())
-    weight_bytes = params * dtype.itemsize
+    params = sum(w.out_features * w.in_features for w in linears) + (
+        head.out_features * head.in_features if head is not None else model.lm_head.weight.numel())
+    dense_bytes = params * dtype.itemsize
+
+    def read_bytes(linear) -> int:  # what a one-row step streams of this linear
+        if linear.uses_panels(1):
+            return linear.panels.numel() * linear.panels.element_size()
+        return linear.out_features * linear.in_features * dtype.itemsize
+
+    weight_bytes = sum(read_bytes(w) for w in linears) + (
+        read_bytes(head) if head is not None else model.lm_head.weight.numel() * dtype.itemsize)
     flop_per_token = 2 * params
 
     bandwidth = memory_bandwidth()
@@ -87,8 +97,8 @@ def main() -> None:
     step1 = decode_seconds(llm, 1, vocab, low, seed=1)
     step64 = decode_seconds(llm, 64, vocab, low, seed=2)
 
-    print(f"model: {params / 1e6:.1f} M weights in its GEMMs, {weight_bytes / 1e6:.0f} MB of {args.dtype}, "
-          f"{flop_per_token / 1e9:.3f} GFLOP per token")
+    print(f"model: {params / 1e6:.1f} M weights in its GEMMs, {dense_bytes / 1e6:.0f} MB of {args.dtype}, "
+          f"{weight_bytes / 1e6:.0f} MB as a one-row step reads them, {flop_per_token / 1e9:.3f} GFLOP per token")
     print(f"memory bandwidth (1 GiB float32 sum on huge pages, 1 thread): {bandwidth / 1e9:.1f} GB/s")
     for rows, peak in peaks.items():
         print(f"GEMM peak, the model's layer shapes at {rows} rows: {peak / 1e9:.0f} GFLOP/s")

@@ -5,7 +5,9 @@
 //               (zero-padded to whole blocks of 16 pairs, an AMX tile's depth; the packed
 //               weight knows K only to that granule: an x with K in the same 32 is accepted)
 //   y = torch.ops.kvsentry.bf16_gemm(x, packed, bias, N)        x [M, K] bf16 (rows contiguous)
-//            -> [M, N] bf16: x @ weight^T (+ bias), products summed in float32, rounded once
+//            -> [M, N] bf16: x @ weight^T (+ bias), products summed in float32, rounded once;
+//            `packed` may also be quant_panels_pack's GGUF blocks (cpu_quant_panels.h), each
+//            block dequantized into L1 right before its tiles: the same results, bit for bit
 //   y = torch.ops.kvsentry.bf16_gemm_with(x, packed, bias, N, kernel)   one kernel by name
 //   torch.ops.kvsentry.bf16_gemm_supported() -> bool            built with it and the CPU has it
 //   torch.ops.kvsentry.bf16_gemm_kernels() -> str[]             the kernels this CPU runs, best first:

@@ -4,7 +4,9 @@
 //            -> [ceil(N / 64), K, 64] float32: 64-output panels, one 256-byte row per K
 //               (outputs past N are zeros, never stored)
 //   y = torch.ops.kvsentry.f32_gemm(x, packed, bias, N)        x [M, K] float32 (stride 1 in K)
-//            -> [M, N] float32: x @ weight^T (+ bias)
+//            -> [M, N] float32: x @ weight^T (+ bias); `packed` may also be quant_panels_pack's
+//            GGUF blocks (cpu_quant_panels.h), dequantized a block at a time into L1 for a row
+//            tile of up to 6 rows, a panel at a time into L2 for more: bit for bit the same
 //   torch.ops.kvsentry.f32_gemm_supported() -> bool             built with it and the CPU has AVX-512F
 //
 // Why: a float32 decode step at a few rows reads every weight once (4 bytes per 2 FLOP per
