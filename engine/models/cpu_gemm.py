@@ -135,7 +135,8 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         panels = panels_supported(weight)
-        quant = quant_panels(weight, rows) if panels else None
+        # The GGUF blocks as panels, unless no panels run here (switched off: panel_max_rows 0).
+        quant = quant_panels(weight, rows) if panels and panel_max_rows(weight.dtype) != 0 else None
         limit = panel_max_rows(weight.dtype, quant is not None) if panels else 0
         self.onednn = onednn_supports(weight) and limit is not None  # None: the panels serve every size
         if panels and not self.onednn:
