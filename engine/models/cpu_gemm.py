@@ -85,11 +85,13 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
     bf16: AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere,
     0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone. float32: F32_PANEL_MAX_ROWS, or 0
     where KVSENTRY_DISABLE_F32_PANELS keeps oneDNN alone. `quantized` panels (GGUF blocks):
-    QUANT_PANEL_MAX_ROWS in place of either limit."""
+    QUANT_PANEL_MAX_ROWS in place of either limit, on CPUs without AMX too, so that prefill keeps
+    oneDNN's dense copy there: the vdpbf16ps tiles dequantize a panel again for every 96 rows
+    (not measured on such a CPU; there the dense panels tied oneDNN from 128 rows)."""
     if dtype == torch.float32:
         return 0 if envs.disable_f32_panels() else QUANT_PANEL_MAX_ROWS[dtype] if quantized else F32_PANEL_MAX_ROWS
     if "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
-        return None
+        return QUANT_PANEL_MAX_ROWS[dtype] if quantized else None
     return 0 if envs.disable_amx_panels() else QUANT_PANEL_MAX_ROWS[dtype] if quantized else AMX_PANEL_MAX_ROWS
 
 

@@ -53,3 +53,36 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     for ref, out in zip(want, got):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_quantized_linear_keeps_onednn_past_its_row_limit(monkeypatch, amx):
+    """Quantized bf16 panels serve up to QUANT_PANEL_MAX_ROWS rows and oneDNN's dense copy
+    beyond, on AMX CPUs and (simulated here by hiding the flag) on CPUs without AMX, whose dense
+    panels alone serve every size; the panels' results are the dense panels' bit for bit."""
+    import numpy as np
+
+    from engine.gguf.weights import QuantRows
+    from engine.models import cpu_gemm
+    from engine.ops import cpu_ops
+    if not (_quant_supported(torch.bfloat16) and cpu_gemm.onednn_supports(torch.zeros(64, 32).bfloat16())):
+        pytest.skip("no bf16 quantized panels or no oneDNN bf16 here")
+    if amx and "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+        pytest.skip("no AMX here")
+    if not amx:
+        flags = cpu_ops.cpu_flags() - {"amx_bf16"}
+        monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    values = np.random.default_rng(5).standard_normal((96, 64)).astype(np.float32) * 0.2
+    raw = np.ascontiguousarray(gguf.quantize(values, Q.Q4_1))
+    weight = torch.from_numpy(np.array(gguf.dequantize(raw, Q.Q4_1), dtype=np.float32)).bfloat16()
+    packed = PackedLinear(weight, None, QuantRows(int(Q.Q4_1), 64, torch.from_numpy(raw)))
+    limit = QUANT_PANEL_MAX_ROWS[torch.bfloat16]
+    assert packed.panels.dtype == torch.uint8 and packed.onednn and packed.panel_max_rows == limit
+    dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        want = (torch.ops.kvsentry.bf16_gemm(x, dense, None, 96) if rows <= limit
+                else torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [None], ""))
+        assert packed.uses_panels(rows) == (rows <= limit)
+        assert torch.equal(packed(x), want)
