@@ -18,10 +18,13 @@ Environment (engine/envs.py):
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -95,15 +98,35 @@ def build(with_cuda: bool, build_directory: str | os.PathLike | None = None, ver
     from torch.utils.cpp_extension import load
     directory.mkdir(parents=True, exist_ok=True)
     sources = CUDA_SOURCES if with_cuda else HOST_SOURCES
-    path = load(name=name, sources=[str(CSRC / s) for s in sources],
-                extra_cflags=CXX_FLAGS + ARCH_FLAGS.get(cpu_capability(), [])
-                + (["-DKVSENTRY_WITH_CUDA"] if with_cuda else []),
-                extra_ldflags=LD_FLAGS,
-                extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)],
-                build_directory=str(directory), with_cuda=with_cuda,
-                is_python_module=False, verbose=verbose)
+    with _sole_builder(directory):
+        path = load(name=name, sources=[str(CSRC / s) for s in sources],
+                    extra_cflags=CXX_FLAGS + ARCH_FLAGS.get(cpu_capability(), [])
+                    + (["-DKVSENTRY_WITH_CUDA"] if with_cuda else []),
+                    extra_ldflags=LD_FLAGS,
+                    extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)],
+                    build_directory=str(directory), with_cuda=with_cuda,
+                    is_python_module=False, verbose=verbose)
     _loaded = (flavour, path)
     return path
+
+
+@contextlib.contextmanager
+def _sole_builder(directory: Path) -> Iterator[None]:
+    """Hold an flock on the build directory while building. torch's own guard is a `lock` file
+    that a builder deletes when done: one killed mid-build (a server stopped during its first
+    start) leaves it behind, and every later build waited on it forever. The kernel releases an
+    flock with its holder, so whoever holds this one is the only live builder here, and a
+    `lock` file it finds is such a leftover: removed."""
+    with open(directory / ".kvsentry-build", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("kvsentry ops: removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
