@@ -106,6 +106,21 @@ __attribute__((target("avx512f"))) void tile(const float* x, int64_t xs, const f
   store_tile<R, 4 * P>(acc, bias, y, ys, width);
 }
 
+// acc[r][j] += x[r, p] * w[p][16 j : 16 j + 16] for p in [0, k): R rows against one panel's
+// rows of 64 floats, one fused multiply-add per p, in K order (tile<R, 1>'s arithmetic).
+template <int R>
+__attribute__((target("avx512f"), always_inline)) inline void multiply_adds(const float* x, int64_t xs, const float* w,
+                                                                           int64_t k, __m512 (&acc)[R][4]) {
+  for (int64_t p = 0; p < k; ++p, w += kPanel) {
+    __m512 wq[4];
+    for (int j = 0; j < 4; ++j) wq[j] = _mm512_load_ps(w + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * xs + p]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wq[j], acc[r][j]);
+    }
+  }
+}
+
 // tile<R, 1> against a GGUF-quantized panel: each block of 32 K is dequantized into L1 (two
 // buffers in turn) right before its multiply-adds, in the same K order, the accumulators in
 // registers throughout. For one row tile (up to kRows rows): more would dequantize again.
@@ -120,16 +135,8 @@ __attribute__((target("avx512f"))) void tile_dequant(const float* x, int64_t xs,
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < quant.blocks; ++b) {
-    const float* w = blocks[b & 1];
     kvsentry_quant::dequant_f32(quant, panel, b, b + 1, blocks[b & 1]);
-    for (int64_t p = b * kBlockK; p < (b + 1) * kBlockK; ++p, w += kPanel) {
-      __m512 wq[4];
-      for (int j = 0; j < 4; ++j) wq[j] = _mm512_load_ps(w + 16 * j);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * xs + p]);
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wq[j], acc[r][j]);
-      }
-    }
+    multiply_adds<R>(x + b * kBlockK, xs, blocks[b & 1], kBlockK, acc);
   }
   store_tile<R, 4>(acc, bias, y, ys, width);
 }
@@ -143,14 +150,7 @@ __attribute__((target("avx512f"))) void block_tile(const float* x, int64_t xs, c
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + r * kPanel + 16 * j);
   }
-  for (int64_t p = 0; p < kvsentry_quant::kBlockK; ++p, w += kPanel) {
-    __m512 wq[4];
-    for (int j = 0; j < 4; ++j) wq[j] = _mm512_load_ps(w + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * xs + p]);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wq[j], acc[r][j]);
-    }
-  }
+  multiply_adds<R>(x, xs, w, kvsentry_quant::kBlockK, acc);
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) _mm512_store_ps(acc_mem + r * kPanel + 16 * j, acc[r][j]);
   }

@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "cpu_quant_panels.h"
 
@@ -94,15 +93,13 @@ Tensor unpack(const Tensor& packed, int64_t n, at::ScalarType dtype) {
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t width = std::min(kOutputs, n - p * kOutputs);
     if (dtype == at::kFloat) {
-      std::vector<float> panel(k * kOutputs);
-      dequant_f32(w, p, 0, blocks, panel.data());
+      const float* panel = f32_panel(w, p);
       float* o = out.data_ptr<float>() + p * kOutputs * k;
       for (int64_t r = 0; r < width; ++r) {
         for (int64_t c = 0; c < k; ++c) o[r * k + c] = panel[c * kOutputs + r];
       }
     } else {
-      std::vector<uint16_t> panel(k * kOutputs);
-      dequant_bf16(w, p, 0, blocks, panel.data());
+      const uint16_t* panel = bf16_panel(w, p);
       auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + p * kOutputs * k;
       for (int64_t r = 0; r < width; ++r) {
         for (int64_t c = 0; c < k; ++c) o[r * k + c] = panel[(c / 2 * kOutputs + r) * 2 + c % 2];

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "cpu_panel_gemm.h"
 #include "cpu_prefetch.h"
 
 namespace kvsentry_quant {
@@ -34,7 +35,7 @@ namespace kvsentry_quant {
 constexpr int64_t kQ4_1 = 3;  // GGML type ids
 constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kBlockK = 32;       // K per block
-constexpr int64_t kOutputs = 64;      // outputs per panel (kvsentry_panels::kPanel)
+constexpr int64_t kOutputs = kvsentry_panels::kPanel;  // outputs per panel
 constexpr int64_t kScales = kOutputs * 2;  // bytes of one float16 per output
 constexpr int64_t kQ4Bytes = 2 * kScales + 16 * 4 * 16;
 constexpr int64_t kQ8Bytes = kScales + 16 * 4 * 32;

@@ -65,8 +65,8 @@ _DERIVED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a p
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 Wants = Callable[[str], bool]
-# GGML types whose blocks the CPU GEMMs multiply by directly (csrc/cpu_quant_panels.h).
-PANEL_TYPES = {"Q4_1": 3, "Q8_0": 8}
+# GGML types (Q4_1, Q8_0) whose blocks the CPU GEMMs multiply by directly (csrc/cpu_quant_panels.h).
+PANEL_TYPES = frozenset({3, 8})
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class QuantRows:
 
 def quant_rows(gguf: GGUFFile, info: TensorInfo) -> QuantRows | None:
     """A 2-D tensor's blocks, copied out of the map, where its type is one of PANEL_TYPES."""
-    if len(info.shape) != 2 or info.ggml_type not in PANEL_TYPES.values():
+    if len(info.shape) != 2 or info.ggml_type not in PANEL_TYPES:
         return None
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
