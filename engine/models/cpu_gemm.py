@@ -33,7 +33,8 @@ step streams its weights, so on one Xeon core the default model's 30 layers at 1
 9.0 instead of 17.3 ms in bf16 (its Q8_0 LM head 2.9 instead of 4.4), 12.9 instead of 20.7 ms
 at 32 rows, 18.7 instead of 24.6 ms at 64; float32 8.0 instead of 27.2 ms at 1 row (a row
 tile of up to 6 rows dequantizes each block into L1 right before its multiply-adds), 11.1
-instead of 40.4 ms at 4 rows, 19.9 instead of 40.1 ms at 8.
+instead of 40.4 ms at 4 rows, 14.9 instead of 39.7 ms at 8 (up to 32 rows, each block once for
+all the row tiles).
 
 float32 on CPUs with AVX-512: steps of up to F32_PANEL_MAX_ROWS rows go through
 csrc/cpu_f32_gemm.cpp's 64-output panels, oneDNN beyond, both copies kept
@@ -89,10 +90,12 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
     oneDNN's dense copy there: the vdpbf16ps tiles dequantize a panel again for every 96 rows
     (not measured on such a CPU; there the dense panels tied oneDNN from 128 rows)."""
     if dtype == torch.float32:
-        return 0 if envs.disable_f32_panels() else QUANT_PANEL_MAX_ROWS[dtype] if quantized else F32_PANEL_MAX_ROWS
-    if "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
-        return QUANT_PANEL_MAX_ROWS[dtype] if quantized else None
-    return 0 if envs.disable_amx_panels() else QUANT_PANEL_MAX_ROWS[dtype] if quantized else AMX_PANEL_MAX_ROWS
+        dense = 0 if envs.disable_f32_panels() else F32_PANEL_MAX_ROWS
+    elif "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+        dense = None
+    else:
+        dense = 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
+    return QUANT_PANEL_MAX_ROWS[dtype] if quantized and dense != 0 else dense
 
 
 def onednn_supports(weight: torch.Tensor) -> bool:
