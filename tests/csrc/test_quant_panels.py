@@ -68,7 +68,7 @@ def test_extreme_scales_and_minima(kvsentry_ops):
 # passes (17, 40, 64, with the L2 prefetch at 49-64), float32 block by block up to 32 and
 # through L2 beyond (32, 33), past the 96-row chunk of the vector
 # kernels (100), empty. Shapes: partial panels, K of 1 to 48 blocks (the default model's).
-ROWS = [1, 2, 5, 16, 17, 32, 33, 40, 64, 100, 0]
+ROWS = [1, 2, 5, 16, 17, 32, 33, 40, 64, 100, 260, 0]  # 260: past a 256-row pass
 SHAPES = [(200, 96), (960, 576), (576, 1536)]
 
 
