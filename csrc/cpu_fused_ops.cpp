@@ -19,8 +19,9 @@
 // All reproduce the Hugging Face modules (LlamaRMSNorm, apply_rotary_pos_emb, LlamaMLP) bit
 // for bit: every elementwise op rounds to its dtype exactly where torch's would (bf16 ops
 // compute in float and round once), there is no FMA contraction (the pragma below), and what
-// is not plain arithmetic is torch's own: the sum of squares is at::sum over the float32 rows
-// that x.pow(2) gives (torch's summation order, 256 rows per call; the mean divides it by N), and
+// is not plain arithmetic is torch's own: the sum of squares is at::sum's over the float32 rows
+// that x.pow(2) gives (a replica of its summation order, checked against at::sum once per width,
+// else at::sum itself, 256 rows per call; the mean divides it by N), and
 // SiLU is torch's formula with torch's exp (Sleef's, as ATen's vector loop calls it). The torch references
 // (engine/ops/fused_ops.py) define the results; tests/csrc/test_fused_ops.py holds the
 // kernels to them bit for bit.
@@ -35,6 +36,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/randn.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
@@ -44,6 +46,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -145,8 +149,146 @@ void check_norm(const Tensor& x, const std::optional<Tensor>& residual, const Te
   }
 }
 
-// Rows per pass: a prefill's [T, N] activations are tens of MB, so each pass over all of them
-// (add and squares, torch's sum, normalise) went to memory; 256 rows of the default model
+// torch's float32 sum of one contiguous row, as at::sum over the last dim computes it on CPU
+// (aten/src/ATen/native/cpu/SumKernel.cpp: cascade_sum -> vectorized_inner_sum for a row of at
+// least one vector): the row as vectors of L lanes, vector 4 i + k into accumulator k (each a
+// cascade of levels flushed every 16 i), the vectors past the last four into accumulator 0,
+// accumulators 1-3 added to 0, then a scalar sum of the elements past the last vector followed
+// by accumulator 0's lanes in order, stored as 0 + that. L is the lane count of torch's
+// Vectorized<float> in the kernel torch runs (8 on the Xeon with AVX-512 of 2026-12: its sum kernel
+// is the AVX2 one there; `row_sum_for` finds out by asking at::sum itself).
+//
+// Why: the norm called at::sum_out once per 256 rows -- a dispatch, a TensorIterator and a
+// pass over a float32 squares buffer -- 30-40% of a decode step's add_rms_norm (one Xeon core).
+template <int L>
+float torch_row_sum(const float* x, int64_t n) {
+  constexpr int kLevels = 4, kIlp = 4, kPower = 4;  // levels of 16: rows below 4 M elements
+  const int64_t vectors = n / L, size = vectors / kIlp, step = int64_t{1} << kPower, mask = step - 1;
+  float acc[kLevels][kIlp][L] = {};
+  auto add = [](float* a, const float* b) {
+    for (int l = 0; l < L; ++l) a[l] += b[l];
+  };
+  int64_t i = 0;
+  for (; i + step <= size;) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      for (int k = 0; k < kIlp; ++k) add(acc[0][k], x + (i * kIlp + k) * L);
+    }
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k) {
+        add(acc[j][k], acc[j - 1][k]);
+        std::fill(acc[j - 1][k], acc[j - 1][k] + L, 0.0f);
+      }
+      if ((i & (mask << (j * kPower))) != 0) break;
+    }
+  }
+  for (; i < size; ++i) {
+    for (int k = 0; k < kIlp; ++k) add(acc[0][k], x + (i * kIlp + k) * L);
+  }
+  for (int j = 1; j < kLevels; ++j) {
+    for (int k = 0; k < kIlp; ++k) add(acc[0][k], acc[j][k]);
+  }
+  for (int64_t v = size * kIlp; v < vectors; ++v) add(acc[0][0], x + v * L);
+  for (int k = 1; k < kIlp; ++k) add(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t e = vectors * L; e < n; ++e) total += x[e];
+  for (int l = 0; l < L; ++l) total += acc[0][0][l];
+  return 0.0f + total;  // the output is zero-filled, then accumulated into
+}
+
+using RowSum = float (*)(const float*, int64_t);
+
+// The replica of at::sum that gives at::sum's bits for rows of n on this CPU and this torch
+// (checked once per n on random rows, against at::sum itself), or nullptr: rows narrower than
+// a vector (torch sums those another way), or a torch whose vectors are neither 16 nor 8 wide.
+RowSum row_sum_for(int64_t n) {
+  static std::mutex lock;
+  static std::map<int64_t, RowSum> known;
+  std::lock_guard<std::mutex> guard(lock);
+  const auto found = known.find(n);
+  if (found != known.end()) return found->second;
+  RowSum chosen = nullptr;
+  if (n >= 16 && n < (int64_t{1} << 22)) {
+    const Tensor rows = at::randn({4, n}, at::TensorOptions().dtype(at::kFloat)).abs_();
+    const Tensor want = at::sum(rows, {-1});
+    for (RowSum candidate : {RowSum{&torch_row_sum<16>}, RowSum{&torch_row_sum<8>}}) {
+      bool same = true;
+      for (int64_t r = 0; r < 4 && same; ++r) {
+        const float got = candidate(rows.data_ptr<float>() + r * n, n), expected = want.data_ptr<float>()[r];
+        same = std::memcmp(&got, &expected, sizeof got) == 0;
+      }
+      if (same) {
+        chosen = candidate;
+        break;
+      }
+    }
+  }
+  known.emplace(n, chosen);
+  return chosen;
+}
+
+// One row at a time where row_sum_for has a replica of torch's sum: the residual add and the
+// squares (into a thread's row buffer), the sum, then the normalised row, all from L1.
+template <typename T>
+void rms_norm_rows(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, float eps,
+                   const Tensor& out, const Tensor& res, RowSum row_sum) {
+  using IO = Io<T>;
+  const int64_t rows = x.size(0), n = x.size(1);
+  const auto* xp = raw_ptr<T>(x);
+  auto* rp = raw_mut<T>(res);
+  const auto* addp = residual.has_value() ? raw_ptr<T>(*residual) : nullptr;
+  const float count = static_cast<float>(n);
+  const auto* wp = raw_ptr<T>(weight);
+  const auto* hp = residual.has_value() ? rp : xp;
+  auto* op = raw_mut<T>(out);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
+    float* sq = buffer.data();
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t base = row * n;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      using V = Vec<T>;
+      for (; j + kLanes <= n; j += kLanes) {
+        __m512 h;
+        if (addp != nullptr) {
+          h = V::round(_mm512_add_ps(V::load(addp + base + j), V::load(xp + base + j)));
+          V::store(rp + base + j, h);
+        } else {
+          h = V::load(xp + base + j);
+        }
+        _mm512_storeu_ps(sq + j, _mm512_mul_ps(h, h));
+      }
+#endif
+      for (; j < n; ++j) {
+        float h;
+        if (addp != nullptr) {  // residual + x in T, then its square in float
+          const auto sum = IO::store(IO::load(addp[base + j]) + IO::load(xp[base + j]));
+          rp[base + j] = sum;
+          h = IO::load(sum);
+        } else {
+          h = IO::load(xp[base + j]);
+        }
+        sq[j] = h * h;  // x.pow(2): torch squares by one multiply
+      }
+      const float r = 1.0f / std::sqrt(row_sum(sq, n) / count + eps);  // torch.rsqrt(mean + eps)
+      const auto* h = hp + base;
+      auto* o = op + base;
+      j = 0;
+#if defined(__AVX512F__)
+      const __m512 rv = _mm512_set1_ps(r);
+      for (; j + kLanes <= n; j += kLanes) {
+        V::store(o + j, _mm512_mul_ps(V::load(wp + j), V::round(_mm512_mul_ps(V::load(h + j), rv))));
+      }
+#endif
+      for (; j < n; ++j) o[j] = IO::store(IO::load(wp[j]) * round_to<T>(IO::load(h[j]) * r));
+    }
+  });
+}
+
+// Where no replica of torch's sum fits (rows narrower than a vector), at::sum sums the squares,
+// kNormRows rows per pass. A prefill's [T, N] activations are tens of MB, so each pass over all
+// of them (add and squares, torch's sum, normalise) went to memory; 256 rows of the default model
 // (576 wide: 0.6 MB of float32 squares) stay in L2 across the three. torch's sum of a row does
 // not depend on how many rows are summed with it (each row is one inner reduction), so the
 // chunks change no bit. 2048 x 576 bf16 on one Xeon core: 1387-1563 -> 1062-1085 us.
@@ -229,6 +371,14 @@ std::tuple<Tensor, Tensor> norm_cpu(const Tensor& x, const std::optional<Tensor>
   check_norm(x, residual, weight);
   Tensor out = at::empty_like(x);
   Tensor res = residual.has_value() ? at::empty_like(x) : x;
+  if (const RowSum row_sum = row_sum_for(x.size(1))) {
+    if (x.scalar_type() == at::kFloat) {
+      rms_norm_rows<float>(x, residual, weight, static_cast<float>(eps), out, res, row_sum);
+    } else {
+      rms_norm_rows<c10::BFloat16>(x, residual, weight, static_cast<float>(eps), out, res, row_sum);
+    }
+    return {out, res};
+  }
   Tensor squares = at::empty({std::min(x.size(0), kNormRows), x.size(1)}, x.options().dtype(at::kFloat));
   Tensor sums = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat) {
@@ -237,6 +387,13 @@ std::tuple<Tensor, Tensor> norm_cpu(const Tensor& x, const std::optional<Tensor>
     rms_norm_impl<c10::BFloat16>(x, residual, weight, static_cast<float>(eps), out, res, squares, sums);
   }
   return {out, res};
+}
+
+// The lanes of the row-sum replica the norms use for rows of n (16 or 8), 0 where they call at::sum.
+int64_t norm_sum_lanes(int64_t n) {
+  const RowSum chosen = row_sum_for(n);
+  if (chosen == nullptr) return 0;
+  return chosen == RowSum{&torch_row_sum<8>} ? 8 : 16;
 }
 
 Tensor rms_norm_cpu(const Tensor& x, const Tensor& weight, double eps) {
@@ -457,6 +614,7 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("norm_sum_lanes(int n) -> int", &norm_sum_lanes);
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
 }
 

@@ -42,6 +42,32 @@ def test_add_rms_norm_matches_reference_bitwise(kvsentry_ops, dtype, rows, size)
     assert torch.equal(out, rms_norm_reference(want_hidden, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# Widths past one vector (16 or 8 lanes) take the kernel's replica of torch's row sum: 1043 and
+# 4149 flush its cascade of levels and end in vectors past the last four and a scalar tail.
+@pytest.mark.parametrize("size", [16, 100, 576, 1043, 4149, 8192])
+def test_rms_norm_sums_squares_in_torchs_order(kvsentry_ops, dtype, size):
+    """Squares spread over twelve orders of magnitude, so that another summation order would
+    round the mean differently (checked below for a plain sequential sum): the norm must still
+    equal the reference bit for bit."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"):
+        # torch sums with 16- or 8-lane vectors there: the norm must take its replica, not at::sum.
+        assert kvsentry_ops.norm_sum_lanes(size) in (16, 8)
+    g = torch.Generator().manual_seed(size)
+    x = (torch.randn(8, size, generator=g) * 10.0 ** torch.randint(-3, 4, (8, size), generator=g)).to(dtype)
+    weight = randn(size, dtype=dtype, seed=7) + 1
+    assert torch.equal(kvsentry_ops.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+    out, hidden = kvsentry_ops.add_rms_norm(x, x.flip(0), weight, 1e-6)
+    assert torch.equal(out, rms_norm_reference(x.flip(0) + x, weight, 1e-6))
+    if size >= 576:  # the data is order-sensitive: a sequential sum differs from torch's somewhere
+        squares = x.float().pow(2)
+        sequential = torch.tensor([sum(row.tolist(), 0.0) for row in squares.double()]).float()
+        naive = torch.zeros(8)
+        for j in range(size):
+            naive += squares[:, j]
+        assert not torch.equal(naive, squares.sum(-1)) or not torch.equal(sequential, squares.sum(-1))
+
+
 def rope_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
