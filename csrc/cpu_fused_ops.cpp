@@ -36,7 +36,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/randn.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
@@ -197,9 +196,12 @@ float torch_row_sum(const float* x, int64_t n) {
 
 using RowSum = float (*)(const float*, int64_t);
 
-// The replica of at::sum that gives at::sum's bits for rows of n on this CPU and this torch
-// (checked once per n on random rows, against at::sum itself), or nullptr: rows narrower than
-// a vector (torch sums those another way), or a torch whose vectors are neither 16 nor 8 wide.
+// The replica of at::sum that gives at::sum's bits for rows of n on this CPU and this torch,
+// or nullptr (at::sum itself): rows narrower than a vector (torch sums those another way), or a
+// torch whose vectors are neither 16 nor 8 wide. Found once per n by asking at::sum: 64 rows of
+// positive values spread over twelve binary orders of magnitude (made by a fixed LCG, not torch's
+// generator: the answer must not depend on what ran before), on which different summation
+// orders round differently; a candidate must match every row, and only one may.
 RowSum row_sum_for(int64_t n) {
   static std::mutex lock;
   static std::map<int64_t, RowSum> known;
@@ -208,19 +210,29 @@ RowSum row_sum_for(int64_t n) {
   if (found != known.end()) return found->second;
   RowSum chosen = nullptr;
   if (n >= 16 && n < (int64_t{1} << 22)) {
-    const Tensor rows = at::randn({4, n}, at::TensorOptions().dtype(at::kFloat)).abs_();
+    constexpr int64_t kRows = 64;
+    const Tensor rows = at::empty({kRows, n}, at::TensorOptions().dtype(at::kFloat));
+    float* v = rows.data_ptr<float>();
+    uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(n);
+    for (int64_t i = 0; i < kRows * n; ++i) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      const float mantissa = 1.0f + static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f;
+      v[i] = std::ldexp(mantissa, static_cast<int>((state >> 20) % 13) - 6);
+    }
     const Tensor want = at::sum(rows, {-1});
+    int matching = 0;
     for (RowSum candidate : {RowSum{&torch_row_sum<16>}, RowSum{&torch_row_sum<8>}}) {
       bool same = true;
-      for (int64_t r = 0; r < 4 && same; ++r) {
-        const float got = candidate(rows.data_ptr<float>() + r * n, n), expected = want.data_ptr<float>()[r];
+      for (int64_t r = 0; r < kRows && same; ++r) {
+        const float got = candidate(v + r * n, n), expected = want.data_ptr<float>()[r];
         same = std::memcmp(&got, &expected, sizeof got) == 0;
       }
       if (same) {
         chosen = candidate;
-        break;
+        ++matching;
       }
     }
+    if (matching != 1) chosen = nullptr;
   }
   known.emplace(n, chosen);
   return chosen;

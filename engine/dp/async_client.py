@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.dp.client import (ClientState, EngineDeadError, check_local_placement, dead_process_reason,
-                              killed_process_reason, send_now, send_shutdown, spawn_local_ranks, stop_processes)
+from engine.dp.client import (ClientResources, ClientState, EngineDeadError, check_local_placement,
+                              dead_process_reason, killed_process_reason, send_now, send_shutdown, spawn_local_ranks,
+                              stop_processes)
 from engine.dp.rank import endpoints
 from engine.messages import EngineRequest, Fault, StepStats
 
@@ -60,14 +62,18 @@ class AsyncEngineClient:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, ready_timeout: float = 600.0) -> None:
-        self.ctx = zmq.asyncio.Context()
+        # Released by shutdown(), or by the finalizer if this client is dropped without it
+        # (engine/dp/client.py: ClientResources says why not __del__).
+        self.resources = ClientResources(zmq.asyncio.Context(), self.state)
+        self._release = weakref.finalize(self, self.resources.release)
         input_addr, output_addr, _ = endpoints(self.config)
-        self.inputs = self.ctx.socket(zmq.ROUTER)
+        self.inputs = self.resources.socket(zmq.ROUTER)
         self.inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.inputs.bind(input_addr)
-        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs = self.resources.socket(zmq.PULL)
         self.outputs.bind(output_addr)
-        self.procs = spawn_local_ranks(self.config)
+        self.procs = self.resources.procs
+        self.procs += spawn_local_ranks(self.config)
         self._tasks = [asyncio.create_task(self._read(self.outputs)),
                        asyncio.create_task(self._read(self.inputs)),
                        asyncio.create_task(self._watch())]
@@ -88,12 +94,9 @@ class AsyncEngineClient:
             send_shutdown(self.inputs, self.state)
         for task in self._tasks:
             task.cancel()
-        await _stop(self.procs)
-        for name in ("inputs", "outputs"):
-            if hasattr(self, name):
-                getattr(self, name).close(0)
-        if hasattr(self, "ctx"):
-            self.ctx.term()
+        await _stop(self.procs)  # off the event loop; release() then finds them stopped
+        if hasattr(self, "_release"):
+            self._release()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> asyncio.Queue:

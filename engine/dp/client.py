@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import time
+import weakref
 from dataclasses import dataclass
 
 import msgspec
@@ -206,6 +207,41 @@ def stop_processes(procs: list[mp.Process], timeout: float = 5.0) -> None:
             proc.join(1.0)
 
 
+class ClientResources:
+    """What a client must let go however it ends: its zmq context and sockets, its rank
+    processes. `release` runs once: from the client's close()/shutdown(), or, for a client
+    dropped without either, from a weakref finalizer -- not __del__. pyzmq terminates a collected
+    context from its own __del__, and zmq_ctx_term waits for every socket of the context to
+    close; a socket in the same garbage cycle, not finalised yet, never does (a suite run hung
+    so in an unrelated test's gc). The finalizer holds the context and sockets, so they cannot be
+    garbage before it has closed them."""
+
+    def __init__(self, ctx: zmq.Context, state: ClientState):
+        self.ctx = ctx
+        self.state = state
+        self.router: zmq.Socket | None = None  # the ROUTER the ranks hear Shutdown on
+        self.sockets: list[zmq.Socket] = []
+        self.procs: list[mp.Process] = []
+
+    def socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        self.sockets.append(sock)
+        if kind == zmq.ROUTER:
+            self.router = sock
+        return sock
+
+    def release(self) -> None:
+        if self.procs and self.router is not None:
+            send_shutdown(self.router, self.state)
+        stop_processes(self.procs)
+        for sock in self.sockets:
+            try:
+                sock.close(0)
+            except Exception:  # an asyncio socket whose event loop is gone: close it plainly
+                zmq.Socket.close(sock, 0)
+        self.ctx.term()
+
+
 class DPEngineClient:
     """Blocking client for the offline LLM: same surface as EngineCore (add_request/step/abort)."""
 
@@ -213,14 +249,16 @@ class DPEngineClient:
         check_local_placement(config)
         self.config = config
         self.state = ClientState(config)
-        self.ctx = zmq.Context()
+        self.resources = ClientResources(zmq.Context(), self.state)
+        self._release = weakref.finalize(self, self.resources.release)
         input_addr, output_addr, _ = endpoints(config)
-        self.inputs = self.ctx.socket(zmq.ROUTER)
+        self.inputs = self.resources.socket(zmq.ROUTER)
         self.inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.inputs.bind(input_addr)
-        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs = self.resources.socket(zmq.PULL)
         self.outputs.bind(output_addr)
-        self.procs = spawn_local_ranks(config)
+        self.procs = self.resources.procs
+        self.procs += spawn_local_ranks(config)
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
         poller.register(self.outputs, zmq.POLLIN)
@@ -277,20 +315,7 @@ class DPEngineClient:
         return self.state.stats
 
     def close(self) -> None:
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
-        send_shutdown(self.inputs, self.state)
-        stop_processes(self.procs)
-        self.inputs.close(0)
-        self.outputs.close(0)
-        self.ctx.term()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        self._release()  # once: later calls, and the finalizer, do nothing
 
 
 def run_headless(config: EngineConfig) -> int:
