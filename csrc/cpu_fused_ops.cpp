@@ -238,62 +238,81 @@ RowSum row_sum_for(int64_t n) {
   return chosen;
 }
 
+// What both norm paths read and write, and the two element passes they share.
+template <typename T>
+struct NormRows {
+  using IO = Io<T>;
+  const typename IO::raw* xp;
+  typename IO::raw* rp;          // residual + x (the residual output), or x itself
+  const typename IO::raw* addp;  // the residual input, or nullptr (rms_norm)
+  const typename IO::raw* wp;
+  typename IO::raw* op;
+  int64_t n;
+
+  NormRows(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, const Tensor& out,
+           const Tensor& res)
+      : xp(raw_ptr<T>(x)), rp(raw_mut<T>(res)), addp(residual.has_value() ? raw_ptr<T>(*residual) : nullptr),
+        wp(raw_ptr<T>(weight)), op(raw_mut<T>(out)), n(x.size(1)) {}
+
+  // Elements [lo, hi): the residual add rounded to T (stored), and its square in float into
+  // sq[i - lo] (x.pow(2): torch squares by one multiply).
+  void squares(int64_t lo, int64_t hi, float* sq) const {
+    const int64_t first = lo;
+#if defined(__AVX512F__)
+    using V = Vec<T>;
+    for (; lo + kLanes <= hi; lo += kLanes) {
+      __m512 h;
+      if (addp != nullptr) {
+        h = V::round(_mm512_add_ps(V::load(addp + lo), V::load(xp + lo)));
+        V::store(rp + lo, h);
+      } else {
+        h = V::load(xp + lo);
+      }
+      _mm512_storeu_ps(sq + lo - first, _mm512_mul_ps(h, h));
+    }
+#endif
+    for (int64_t i = lo; i < hi; ++i) {
+      float h;
+      if (addp != nullptr) {  // residual + x in T, then its square in float
+        const auto sum = IO::store(IO::load(addp[i]) + IO::load(xp[i]));
+        rp[i] = sum;
+        h = IO::load(sum);
+      } else {
+        h = IO::load(xp[i]);
+      }
+      sq[i - first] = h * h;
+    }
+  }
+
+  // Row `row` of out: weight * (h * r).to(T), h the residual sum (or x), r = rsqrt(mean + eps)
+  // from the row's sum of squares (torch.rsqrt(mean + eps): one true division, one square root).
+  void normalise(int64_t row, float sum, float eps) const {
+    const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+    const auto* h = (addp != nullptr ? rp : xp) + row * n;
+    auto* o = op + row * n;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    using V = Vec<T>;
+    const __m512 rv = _mm512_set1_ps(r);
+    for (; j + kLanes <= n; j += kLanes) {
+      V::store(o + j, _mm512_mul_ps(V::load(wp + j), V::round(_mm512_mul_ps(V::load(h + j), rv))));
+    }
+#endif
+    for (; j < n; ++j) o[j] = IO::store(IO::load(wp[j]) * round_to<T>(IO::load(h[j]) * r));
+  }
+};
+
 // One row at a time where row_sum_for has a replica of torch's sum: the residual add and the
 // squares (into a thread's row buffer), the sum, then the normalised row, all from L1.
 template <typename T>
-void rms_norm_rows(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, float eps,
-                   const Tensor& out, const Tensor& res, RowSum row_sum) {
-  using IO = Io<T>;
-  const int64_t rows = x.size(0), n = x.size(1);
-  const auto* xp = raw_ptr<T>(x);
-  auto* rp = raw_mut<T>(res);
-  const auto* addp = residual.has_value() ? raw_ptr<T>(*residual) : nullptr;
-  const float count = static_cast<float>(n);
-  const auto* wp = raw_ptr<T>(weight);
-  const auto* hp = residual.has_value() ? rp : xp;
-  auto* op = raw_mut<T>(out);
+void rms_norm_rows(const NormRows<T>& norm, int64_t rows, float eps, RowSum row_sum) {
+  const int64_t n = norm.n;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;
     if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
-    float* sq = buffer.data();
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t base = row * n;
-      int64_t j = 0;
-#if defined(__AVX512F__)
-      using V = Vec<T>;
-      for (; j + kLanes <= n; j += kLanes) {
-        __m512 h;
-        if (addp != nullptr) {
-          h = V::round(_mm512_add_ps(V::load(addp + base + j), V::load(xp + base + j)));
-          V::store(rp + base + j, h);
-        } else {
-          h = V::load(xp + base + j);
-        }
-        _mm512_storeu_ps(sq + j, _mm512_mul_ps(h, h));
-      }
-#endif
-      for (; j < n; ++j) {
-        float h;
-        if (addp != nullptr) {  // residual + x in T, then its square in float
-          const auto sum = IO::store(IO::load(addp[base + j]) + IO::load(xp[base + j]));
-          rp[base + j] = sum;
-          h = IO::load(sum);
-        } else {
-          h = IO::load(xp[base + j]);
-        }
-        sq[j] = h * h;  // x.pow(2): torch squares by one multiply
-      }
-      const float r = 1.0f / std::sqrt(row_sum(sq, n) / count + eps);  // torch.rsqrt(mean + eps)
-      const auto* h = hp + base;
-      auto* o = op + base;
-      j = 0;
-#if defined(__AVX512F__)
-      const __m512 rv = _mm512_set1_ps(r);
-      for (; j + kLanes <= n; j += kLanes) {
-        V::store(o + j, _mm512_mul_ps(V::load(wp + j), V::round(_mm512_mul_ps(V::load(h + j), rv))));
-      }
-#endif
-      for (; j < n; ++j) o[j] = IO::store(IO::load(wp[j]) * round_to<T>(IO::load(h[j]) * r));
+      norm.squares(row * n, (row + 1) * n, buffer.data());
+      norm.normalise(row, row_sum(buffer.data(), n), eps);
     }
   });
 }
@@ -307,73 +326,21 @@ void rms_norm_rows(const Tensor& x, const std::optional<Tensor>& residual, const
 constexpr int64_t kNormRows = 256;
 
 template <typename T>
-void rms_norm_impl(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, float eps,
-                   const Tensor& out, const Tensor& res, const Tensor& squares, const Tensor& sums) {
-  using IO = Io<T>;
-  const int64_t rows = x.size(0), n = x.size(1);
-  const auto* xp = raw_ptr<T>(x);
-  auto* rp = raw_mut<T>(res);
-  const auto* addp = residual.has_value() ? raw_ptr<T>(*residual) : nullptr;
-  const float count = static_cast<float>(n);
-  const auto* wp = raw_ptr<T>(weight);
-  const auto* hp = residual.has_value() ? rp : xp;
-  auto* op = raw_mut<T>(out);
+void rms_norm_impl(const NormRows<T>& norm, int64_t rows, float eps, const Tensor& squares, const Tensor& sums) {
+  const int64_t n = norm.n;
   for (int64_t r0 = 0; r0 < rows; r0 += kNormRows) {
     const int64_t r1 = std::min(rows, r0 + kNormRows);
-    float* sq = squares.data_ptr<float>();  // this chunk's rows: element i at sq[i - base]
-    const int64_t base = r0 * n;
+    float* sq = squares.data_ptr<float>();  // this chunk's rows: row r at sq[(r - r0) n]
     at::parallel_for(r0, r1, 16, [&](int64_t begin, int64_t end) {
-      int64_t lo = begin * n;
-      const int64_t hi = end * n;
-#if defined(__AVX512F__)
-      using V = Vec<T>;
-      for (; lo + kLanes <= hi; lo += kLanes) {
-        __m512 h;
-        if (addp != nullptr) {
-          h = V::round(_mm512_add_ps(V::load(addp + lo), V::load(xp + lo)));
-          V::store(rp + lo, h);
-        } else {
-          h = V::load(xp + lo);
-        }
-        _mm512_storeu_ps(sq + lo - base, _mm512_mul_ps(h, h));
-      }
-#endif
-      if (addp != nullptr) {
-        for (int64_t i = lo; i < hi; ++i) {  // residual + x in T, then its square in float
-          const auto sum = IO::store(IO::load(addp[i]) + IO::load(xp[i]));
-          rp[i] = sum;
-          const float h = IO::load(sum);
-          sq[i - base] = h * h;
-        }
-      } else {
-        for (int64_t i = lo; i < hi; ++i) {
-          const float h = IO::load(xp[i]);
-          sq[i - base] = h * h;  // x.pow(2): torch squares by one multiply
-        }
-      }
+      norm.squares(begin * n, end * n, sq + (begin - r0) * n);
     });
     // x.pow(2).mean(-1, keepdim=True): torch's mean of a float tensor on CPU is sum_out(...).div_(N),
-    // so torch's own sum (its summation order) and one true division per row below.
+    // so torch's own sum (its summation order) and one true division per row.
     Tensor chunk_sums = sums.narrow(0, r0, r1 - r0);
     at::sum_out(chunk_sums, squares.narrow(0, 0, r1 - r0), {-1});
     const float* vp = sums.data_ptr<float>();
     at::parallel_for(r0, r1, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const float r = 1.0f / std::sqrt(vp[row] / count + eps);  // torch.rsqrt(mean + eps)
-        const auto* h = hp + row * n;
-        auto* o = op + row * n;
-        int64_t j = 0;
-#if defined(__AVX512F__)
-        using V = Vec<T>;
-        const __m512 rv = _mm512_set1_ps(r);
-        for (; j + kLanes <= n; j += kLanes) {
-          V::store(o + j, _mm512_mul_ps(V::load(wp + j), V::round(_mm512_mul_ps(V::load(h + j), rv))));
-        }
-#endif
-        for (; j < n; ++j) {  // weight * (x * r).to(dtype)
-          o[j] = IO::store(IO::load(wp[j]) * round_to<T>(IO::load(h[j]) * r));
-        }
-      }
+      for (int64_t row = begin; row < end; ++row) norm.normalise(row, vp[row], eps);
     });
   }
 }
@@ -383,20 +350,21 @@ std::tuple<Tensor, Tensor> norm_cpu(const Tensor& x, const std::optional<Tensor>
   check_norm(x, residual, weight);
   Tensor out = at::empty_like(x);
   Tensor res = residual.has_value() ? at::empty_like(x) : x;
-  if (const RowSum row_sum = row_sum_for(x.size(1))) {
-    if (x.scalar_type() == at::kFloat) {
-      rms_norm_rows<float>(x, residual, weight, static_cast<float>(eps), out, res, row_sum);
-    } else {
-      rms_norm_rows<c10::BFloat16>(x, residual, weight, static_cast<float>(eps), out, res, row_sum);
+  const float e = static_cast<float>(eps);
+  const RowSum row_sum = row_sum_for(x.size(1));
+  auto run = [&](auto norm) {
+    if (row_sum != nullptr) {
+      rms_norm_rows(norm, x.size(0), e, row_sum);
+      return;
     }
-    return {out, res};
-  }
-  Tensor squares = at::empty({std::min(x.size(0), kNormRows), x.size(1)}, x.options().dtype(at::kFloat));
-  Tensor sums = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+    Tensor squares = at::empty({std::min(x.size(0), kNormRows), x.size(1)}, x.options().dtype(at::kFloat));
+    Tensor sums = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+    rms_norm_impl(norm, x.size(0), e, squares, sums);
+  };
   if (x.scalar_type() == at::kFloat) {
-    rms_norm_impl<float>(x, residual, weight, static_cast<float>(eps), out, res, squares, sums);
+    run(NormRows<float>(x, residual, weight, out, res));
   } else {
-    rms_norm_impl<c10::BFloat16>(x, residual, weight, static_cast<float>(eps), out, res, squares, sums);
+    run(NormRows<c10::BFloat16>(x, residual, weight, out, res));
   }
   return {out, res};
 }

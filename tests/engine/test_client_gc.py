@@ -21,18 +21,29 @@ from tests.engine.dp_helpers import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# start() binds the input socket, then fails on the taken output port; the client is dropped
-# in a reference cycle without shutdown().
-ASYNC_CLIENT = textwrap.dedent("""
-    import asyncio, gc, sys, zmq
-    from engine.config import EngineConfig
-    from engine.dp.async_client import AsyncEngineClient
-    from engine.dp.rank import endpoints
-    config = EngineConfig.create(sys.argv[1], max_model_len=64, num_gpu_blocks=8, data_parallel_size=2,
-                                 data_parallel_rpc_port=int(sys.argv[2]))
-    holder = zmq.Context()
-    taken = holder.socket(zmq.PULL)
-    taken.bind(endpoints(config)[1])
+# Both cases: a config of two local ranks and its output port taken, so that the client binds
+# its input socket and then fails.
+PRELUDE = """
+import asyncio, gc, sys, zmq
+from engine.config import EngineConfig
+from engine.dp import client as dp_client
+from engine.dp.async_client import AsyncEngineClient
+from engine.dp.rank import endpoints
+config = EngineConfig.create(sys.argv[1], max_model_len=64, num_gpu_blocks=8, data_parallel_size=2,
+                             data_parallel_rpc_port=int(sys.argv[2]))
+holder = zmq.Context()
+taken = holder.socket(zmq.PULL)
+taken.bind(endpoints(config)[1])
+"""
+EPILOGUE = """
+gc.collect()
+taken.close(0)
+holder.term()
+print("collected")
+"""
+
+# The server's client: start() fails; the client is dropped in a reference cycle without shutdown().
+ASYNC_CLIENT = PRELUDE + textwrap.dedent("""
     client = AsyncEngineClient(config)
     try:
         asyncio.run(client.start())
@@ -41,24 +52,11 @@ ASYNC_CLIENT = textwrap.dedent("""
         pass
     client.cycle = client
     del client
-    gc.collect()
-    taken.close(0)
-    holder.term()
-    print("collected")
-""")
+""") + EPILOGUE
 
-# The offline client: its constructor fails on the taken output port after binding the input
-# one; the half-built client (a traceback frame holds it) is dropped in a cycle.
-SYNC_CLIENT = textwrap.dedent("""
-    import gc, sys, zmq
-    from engine.config import EngineConfig
-    from engine.dp import client as dp_client
-    from engine.dp.rank import endpoints
-    config = EngineConfig.create(sys.argv[1], max_model_len=64, num_gpu_blocks=8, data_parallel_size=2,
-                                 data_parallel_rpc_port=int(sys.argv[2]))
-    holder = zmq.Context()
-    taken = holder.socket(zmq.PULL)
-    taken.bind(endpoints(config)[1])
+# The offline client: its constructor fails; the half-built client (a traceback frame held it)
+# is dropped.
+SYNC_CLIENT = PRELUDE + textwrap.dedent("""
     made = []
     real_init = dp_client.ClientResources.__init__
     def keep(self, *args):
@@ -72,11 +70,7 @@ SYNC_CLIENT = textwrap.dedent("""
         pass
     assert made and made[0].sockets, "the client did not get as far as its input socket"
     made.clear()
-    gc.collect()
-    taken.close(0)
-    holder.term()
-    print("collected")
-""")
+""") + EPILOGUE
 
 
 @pytest.mark.timeout(120)
