@@ -203,11 +203,18 @@ using RowSum = float (*)(const float*, int64_t);
 // generator: the answer must not depend on what ran before), on which different summation
 // orders round differently; a candidate must match every row, and only one may.
 RowSum row_sum_for(int64_t n) {
+  // A model norms one width: the thread's last answer spares each call the lock and the map.
+  thread_local int64_t last_n = -1;
+  thread_local RowSum last = nullptr;
+  if (n == last_n) return last;
   static std::mutex lock;
   static std::map<int64_t, RowSum> known;
   std::lock_guard<std::mutex> guard(lock);
   const auto found = known.find(n);
-  if (found != known.end()) return found->second;
+  if (found != known.end()) {
+    last_n = n;
+    return last = found->second;
+  }
   RowSum chosen = nullptr;
   if (n >= 16 && n < (int64_t{1} << 22)) {
     constexpr int64_t kRows = 64;
@@ -235,7 +242,8 @@ RowSum row_sum_for(int64_t n) {
     if (matching != 1) chosen = nullptr;
   }
   known.emplace(n, chosen);
-  return chosen;
+  last_n = n;
+  return last = chosen;
 }
 
 // What both norm paths read and write, and the two element passes they share.

@@ -72,8 +72,7 @@ class AsyncEngineClient:
         self.inputs.bind(input_addr)
         self.outputs = self.resources.socket(zmq.PULL)
         self.outputs.bind(output_addr)
-        self.procs = self.resources.procs
-        self.procs += spawn_local_ranks(self.config)
+        self.procs = self.resources.procs = spawn_local_ranks(self.config)
         self._tasks = [asyncio.create_task(self._read(self.outputs)),
                        asyncio.create_task(self._read(self.inputs)),
                        asyncio.create_task(self._watch())]

@@ -231,7 +231,8 @@ class ClientResources:
         return sock
 
     def release(self) -> None:
-        if self.procs and self.router is not None:
+        # Ranks still running hear Shutdown (the async client's shutdown() stops its own first).
+        if self.router is not None and any(proc.is_alive() for proc in self.procs):
             send_shutdown(self.router, self.state)
         stop_processes(self.procs)
         for sock in self.sockets:
@@ -257,8 +258,7 @@ class DPEngineClient:
         self.inputs.bind(input_addr)
         self.outputs = self.resources.socket(zmq.PULL)
         self.outputs.bind(output_addr)
-        self.procs = self.resources.procs
-        self.procs += spawn_local_ranks(config)
+        self.procs = self.resources.procs = spawn_local_ranks(config)
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
         poller.register(self.outputs, zmq.POLLIN)
