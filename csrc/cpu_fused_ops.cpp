@@ -122,10 +122,27 @@ struct Vec<c10::BFloat16> {
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   }
-  static void store(uint16_t* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits(v)));
+  // v as 16 bf16: by vcvtneps2bf16 where the CPU has AVX512-BF16 -- the same round to nearest
+  // even, but it reads denormals as zero and keeps a NaN's sign and payload, so a vector holding
+  // either takes the bit operations above. One instruction and a class test instead of ~9: on one
+  // Xeon core, 2048 x 576 add_rms_norm 736 -> 622 us, 2048 x 1536 silu_and_mul 1665 -> 1403,
+  // 2048 tokens' rotary 707 -> 530 (~20 ms of a 2048-token prefill step's ~540).
+  // (Inline asm: the file is built for plain AVX-512, and a target attribute does not reach the
+  // lambdas these loops run in.)
+  static __m256i narrow(__m512 v) {
+    if (kHardwareRound) {
+      __m256i r;
+      asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));
+      // QNaN (0x01), denormal (0x20), SNaN (0x80)
+      if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0xA1) == 0, 1)) return r;
+    }
+    return _mm512_cvtepi32_epi16(bits(v));
   }
-  static __m512 round(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits(v), 16)); }
+  static void store(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
+  static __m512 round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow(v)), 16));
+  }
+  static inline const bool kHardwareRound = __builtin_cpu_supports("avx512bf16");
 };
 constexpr int64_t kLanes = 16;
 #else
@@ -465,7 +482,14 @@ void rotary_impl(const Tensor& q, const Tensor& k, const Tensor& cos, const Tens
     for (int64_t t = begin; t < end; ++t) {
       const auto* crow = cp + pp[t] * d;
       const auto* srow = sp + pp[t] * d;
-      for (int64_t j = 0; j < d; ++j) {  // cos[pos].to(dtype)
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + kLanes <= d; j += kLanes) {  // cos[pos].to(dtype), 16 at a time
+        _mm512_storeu_ps(c.data() + j, Vec<T>::round(Vec<C>::load(crow + j)));
+        _mm512_storeu_ps(s.data() + j, Vec<T>::round(Vec<C>::load(srow + j)));
+      }
+#endif
+      for (; j < d; ++j) {  // cos[pos].to(dtype)
         c[j] = round_to<T>(Io<C>::load(crow[j]));
         s[j] = round_to<T>(Io<C>::load(srow[j]));
       }
