@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -45,5 +48,29 @@ struct alignas(64) TileConfig {
     }
   }
 };
+
+// A std::vector whose data starts on a cache line. Every buffer a tile is loaded from or stored
+// to must be one: a tile row of 64 bytes that straddles two lines made tileloadd ~3x slower on a
+// Xeon core (16 x 64-byte rows 16 bytes off a line: 4 products with 5 loads, 0.76 against 2.6
+// TFLOP/s from L1), and malloc aligns to 16 bytes only.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using TileBuffer = std::vector<T, LineAllocator<T>>;
 
 }  // namespace kvsentry_amx

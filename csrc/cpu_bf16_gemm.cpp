@@ -232,7 +232,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
                                                              const float* bp, uint16_t* yp, int64_t m,
                                                              int64_t n, const kvsentry_quant::Panels* quant) {
   const int64_t chunk_rows = std::min(m, kAmxRowChunk);
-  std::vector<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
+  kvsentry_amx::TileBuffer<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
   float* acc = acc_rows.data();
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
   alignas(64) uint16_t dequantized[kChunkBlocks * kBlockBytes / 2];
