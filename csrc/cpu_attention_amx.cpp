@@ -91,12 +91,12 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
   const int64_t span = a.num_read * a.block_size;
   const int64_t span32 = (span + 2 * kPairs - 1) / (2 * kPairs) * (2 * kPairs);  // whole value tiles
   const int64_t blocks = a.head_dim / 32;
-  kvsentry_amx::TileBuffer<uint32_t> qt(static_cast<size_t>(blocks * kPairs * kTile), 0u);  // [block][pair][head]
-  kvsentry_amx::TileBuffer<float> probs(static_cast<size_t>(a.group * span32));
-  kvsentry_amx::TileBuffer<uint16_t> p(static_cast<size_t>(kTile * span32), 0);  // [16 heads][span32] bf16; rows >= group: 0
-  kvsentry_amx::TileBuffer<uint16_t> vp(static_cast<size_t>(span32 * a.v_dim));  // [span32 / 2][v_dim][2]
-  kvsentry_amx::TileBuffer<float> os(static_cast<size_t>(kTile * a.v_dim));
-  kvsentry_amx::TileBuffer<float> cs(static_cast<size_t>((span32 / kTile + 1) * kTile * kTile));  // S^T tiles, one spare
+  TileBuffer<uint32_t> qt(static_cast<size_t>(blocks * kPairs * kTile), 0u);  // [block][pair][head]
+  TileBuffer<float> probs(static_cast<size_t>(a.group * span32));
+  TileBuffer<uint16_t> p(static_cast<size_t>(kTile * span32), 0);  // [16 heads][span32] bf16; rows >= group: 0
+  TileBuffer<uint16_t> vp(static_cast<size_t>(span32 * a.v_dim));  // [span32 / 2][v_dim][2]
+  TileBuffer<float> os(static_cast<size_t>(kTile * a.v_dim));
+  TileBuffer<float> cs(static_cast<size_t>((span32 / kTile + 1) * kTile * kTile));  // S^T tiles, one spare
   // Every tile 16 rows of 64 bytes. Scores: C 0 and 6, K 1 and 7, Q^T 2-5; values: C 0-3, P 4, V 5-7.
   const TileConfig config({kTile, kTile, kPairs, kPairs, kPairs, kPairs, kPairs, kPairs});
   _tile_loadconfig(&config);

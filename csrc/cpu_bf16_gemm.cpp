@@ -126,6 +126,7 @@ constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4
 
 // Tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B (16 pairs x
 // 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
+using kvsentry_amx::TileBuffer;
 using kvsentry_amx::TileConfig;
 TileConfig tile_config(int64_t rows) { return TileConfig({rows, rows, rows, rows, rows, kDepth, kDepth, kDepth}); }
 
@@ -232,7 +233,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
                                                              const float* bp, uint16_t* yp, int64_t m,
                                                              int64_t n, const kvsentry_quant::Panels* quant) {
   const int64_t chunk_rows = std::min(m, kAmxRowChunk);
-  kvsentry_amx::TileBuffer<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
+  TileBuffer<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
   float* acc = acc_rows.data();
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
   alignas(64) uint16_t dequantized[kChunkBlocks * kBlockBytes / 2];

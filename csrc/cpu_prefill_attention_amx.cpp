@@ -52,6 +52,7 @@ constexpr const char* kOp = "kvsentry::paged_prefill_attention";
 #if defined(__AVX512F__)
 using kvsentry_amx::kPairs;
 using kvsentry_amx::kTile;
+using kvsentry_amx::TileBuffer;
 
 struct Args : kvsentry_amx::PagedTensors {
   const int64_t* lens;
@@ -104,11 +105,11 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void value_tiles_t(const uin
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void items(const Args& a, int64_t begin,
                                                                                  int64_t end) {
   const int64_t blocks = a.head_dim / 32;
-  kvsentry_amx::TileBuffer<uint16_t> vt;                       // [v_dim][len32] V^T of the item's sequence
-  kvsentry_amx::TileBuffer<float> sc;                          // [keys][16 tokens] scores, then probabilities
-  kvsentry_amx::TileBuffer<uint16_t> pt;                       // [len32 / 2][16 tokens][2] P^T as VNNI key pairs
-  kvsentry_amx::TileBuffer<uint32_t> qt(static_cast<size_t>(blocks * kPairs * kTile));  // [block][pair][token]
-  kvsentry_amx::TileBuffer<float> os(static_cast<size_t>(a.v_dim * kTile));            // [v_dim][16 tokens]
+  TileBuffer<uint16_t> vt;  // [v_dim][len32] V^T of the item's sequence
+  TileBuffer<float> sc;  // [keys][16 tokens] scores, then probabilities
+  TileBuffer<uint16_t> pt;  // [len32 / 2][16 tokens][2] P^T as VNNI key pairs
+  TileBuffer<uint32_t> qt(static_cast<size_t>(blocks * kPairs * kTile));  // [block][pair][token]
+  TileBuffer<float> os(static_cast<size_t>(a.v_dim * kTile));  // [v_dim][16 tokens]
   // Every tile 16 rows of 64 bytes. Scores: C 0 and 6, K 1 and 7, Q^T 2-5; values: C 0-3, P^T 4, V^T 5-7.
   const kvsentry_amx::TileConfig config({kTile, kTile, kPairs, kPairs, kPairs, kPairs, kPairs, kPairs});
   _tile_loadconfig(&config);
