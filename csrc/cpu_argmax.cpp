@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +31,7 @@ namespace {
 
 using at::Tensor;
 constexpr const char* kOp = "kvsentry::row_argmax";
+constexpr int kUnroll = 4;  // vectors of 16 per step of the vector body
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -68,34 +70,48 @@ int64_t row_argmax(const T* row, int64_t vocab, bool& finite) {
   int64_t i = 0;
   finite = true;
 #if defined(__AVX512F__)
-  if (vocab >= 16) {
-    // Lane l keeps the first maximum of positions l, l + 16, ...; the row's first maximum is
-    // the smallest position among the lanes holding the largest value.
-    __m512 lane_best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i lane_pos = _mm512_setzero_si512();
-    __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 infinite = 0;
-    for (; i + 16 <= vocab; i += 16) {
-      const __m512 v = load16(row + i);
-      if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0) {
-        finite = false;
-        for (int64_t j = i;; ++j) {
-          if (std::isnan(to_float(row[j]))) return j;
-        }
-      }
-      infinite |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(std::numeric_limits<float>::infinity()),
-                                     _CMP_EQ_OQ);
-      const __mmask16 better = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
-      lane_best = _mm512_mask_mov_ps(lane_best, better, v);
-      lane_pos = _mm512_mask_mov_epi32(lane_pos, better, pos);
-      pos = _mm512_add_epi32(pos, step);
+  if (vocab >= kUnroll * 16) {
+    // Accumulator k, lane l keeps the first maximum of positions 64 j + 16 k + l; the row's first
+    // maximum is the smallest position among those holding the largest value. Four accumulators:
+    // with one, each 16 values waited on the previous compare and select (a ~5-cycle chain):
+    // 64 rows x 49152 bf16 from L2/L3 on one Xeon core 411 -> 290 us.
+    // NaNs and infinities are only noted (one class test); a row that has one is looked at again.
+    __m512 lane_best[kUnroll];
+    __m512i lane_pos[kUnroll];
+    for (int k = 0; k < kUnroll; ++k) {
+      lane_best[k] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      lane_pos[k] = _mm512_setzero_si512();  // an all -inf row: lane l of accumulator 0, position 0, wins
     }
-    finite = infinite == 0;
-    best = _mm512_reduce_max_ps(lane_best);
-    const __mmask16 at_best = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
-    // An all -inf row: every lane ties at -inf with position 0..15, the smallest is lane 0's.
-    best_i = _mm512_mask_reduce_min_epi32(at_best, lane_pos);
+    __m512i base = _mm512_setzero_si512();  // 64 j in every lane
+    const __m512i step = _mm512_set1_epi32(kUnroll * 16);
+    __mmask16 special = 0;
+    for (; i + kUnroll * 16 <= vocab; i += kUnroll * 16) {
+      for (int k = 0; k < kUnroll; ++k) {
+        const __m512 v = load16(row + i + 16 * k);
+        special |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN, +inf, -inf, SNaN
+        const __mmask16 better = _mm512_cmp_ps_mask(v, lane_best[k], _CMP_GT_OQ);
+        lane_best[k] = _mm512_mask_mov_ps(lane_best[k], better, v);
+        lane_pos[k] = _mm512_mask_mov_epi32(lane_pos[k], better, base);
+      }
+      base = _mm512_add_epi32(base, step);
+    }
+    if (special != 0) {
+      finite = false;
+      for (int64_t j = 0; j < i; ++j) {
+        if (std::isnan(to_float(row[j]))) return j;
+      }
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 top = lane_best[0];
+    for (int k = 1; k < kUnroll; ++k) top = _mm512_max_ps(top, lane_best[k]);
+    best = _mm512_reduce_max_ps(top);
+    const __m512 best_v = _mm512_set1_ps(best);
+    best_i = std::numeric_limits<int32_t>::max();
+    for (int k = 0; k < kUnroll; ++k) {
+      const __mmask16 at_best = _mm512_cmp_ps_mask(lane_best[k], best_v, _CMP_EQ_OQ);
+      const __m512i pos = _mm512_add_epi32(lane_pos[k], _mm512_add_epi32(lane, _mm512_set1_epi32(16 * k)));
+      if (at_best != 0) best_i = std::min<int64_t>(best_i, _mm512_mask_reduce_min_epi32(at_best, pos));
+    }
   }
 #endif
   const int64_t nan_at = argmax_scalar(row, i, vocab, best_i, best, finite);

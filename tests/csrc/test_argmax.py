@@ -10,7 +10,7 @@ from engine.worker.sampler import row_argmax
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@given(rows=st.integers(0, 5), vocab=st.integers(1, 300), ties=st.booleans(), nans=st.integers(0, 3),
+@given(rows=st.integers(0, 5), vocab=st.integers(1, 700), ties=st.booleans(), nans=st.integers(0, 3),
        infs=st.booleans(), seed=st.integers(0, 2**16))
 @settings(max_examples=60, deadline=None)
 def test_csrc_row_argmax_equals_torch_argmax(kvsentry_ops, dtype, rows, vocab, ties, nans, infs, seed):
