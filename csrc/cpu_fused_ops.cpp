@@ -109,13 +109,15 @@ struct Vec<float> {
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
   static __m512 round(__m512 v) { return v; }
+  static __m512 store_rounded(float* p, __m512 v) {
+    store(p, v);
+    return v;
+  }
 };
 template <>
 struct Vec<c10::BFloat16> {
-  static __m512 load(const uint16_t* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
+  static __m512 widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+  static __m512 load(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static __m512i bits(__m512 v) {  // the bf16 bits of v in each 32-bit lane's low half
     const __m512i b = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -139,8 +141,13 @@ struct Vec<c10::BFloat16> {
     return _mm512_cvtepi32_epi16(bits(v));
   }
   static void store(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
-  static __m512 round(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow(v)), 16));
+  static __m512 round(__m512 v) { return widen(narrow(v)); }
+  // v rounded to bf16, stored at p and returned: one rounding for both (round, then store,
+  // narrowed the same value twice).
+  static __m512 store_rounded(uint16_t* p, __m512 v) {
+    const __m256i b = narrow(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+    return widen(b);
   }
   static inline const bool kHardwareRound = __builtin_cpu_supports("avx512bf16");
 };
@@ -288,8 +295,7 @@ struct NormRows {
     for (; lo + kLanes <= hi; lo += kLanes) {
       __m512 h;
       if (addp != nullptr) {
-        h = V::round(_mm512_add_ps(V::load(addp + lo), V::load(xp + lo)));
-        V::store(rp + lo, h);
+        h = V::store_rounded(rp + lo, _mm512_add_ps(V::load(addp + lo), V::load(xp + lo)));
       } else {
         h = V::load(xp + lo);
       }
