@@ -553,9 +553,10 @@ VectorExp torch_vector_exp() {
   return fn;
 }
 
-// silu(x) rounded to bf16 for each of the 65,536 bf16 inputs x, as the vector body below
-// computes it (Sleef's bits: see cpu_fast_exp.h), indexed by x's bits, plus one entry of
-// padding (a 32-bit gather at the last index reads two bytes past it).
+// silu(x) = x / (1 + exp(-x)) in float, rounded to bf16, for each of the 65,536 bf16 inputs x,
+// indexed by x's bits, plus one entry of padding (a 32-bit gather at the last index reads two
+// bytes past it). The exp is the inline one, which gives Sleef's SiLU bits (torch's vector
+// body's) for every bf16 input (see cpu_fast_exp.h).
 //
 // Why: a bf16 gate has only 2^16 values, and torch rounds silu(gate) to bf16 before the
 // product, so the SiLU is a pure function of the gate's bits. One gather from this table
@@ -602,30 +603,27 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
       using V = Vec<T>;
       const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // The vector body's SiLU from bf16_silu_table (the same bits as the loop below).
+        // The vector body's SiLU from bf16_silu_table.
         for (; j + chunk <= n; j += chunk) {
           for (int64_t k = 0; k < chunk / kLanes; ++k) {
-            const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j + k * kLanes)));
+            const auto* gates = reinterpret_cast<const __m256i*>(g + j + k * kLanes);
+            const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256(gates));
             const __m512i s = _mm512_i32gather_epi32(index, silu, 2);  // the entry in each lane's low half
             const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
             V::store(o + j + k * kLanes, _mm512_mul_ps(sf, V::load(u + j + k * kLanes)));
           }
         }
-      }
-      for (; j + chunk <= n; j += chunk) {
-        // The exps first (opaque calls), then the independent divisions and roundings of
-        // the whole chunk, which the core overlaps: one vector at a time waited on each.
-        __m512 e[chunk / kLanes];
-        for (int64_t k = 0; k < chunk / kLanes; ++k) {
-          const __m512 minus_x = _mm512_xor_ps(V::load(g + j + k * kLanes), sign);
-          // bf16: the inline exp gives Sleef's SiLU bits for every bf16 input (see cpu_fast_exp.h)
-          // at half the cost; float32 keeps torch's own exp.
-          e[k] = std::is_same_v<T, float> ? vexp(minus_x) : kvsentry_math::fast_exp_ps(minus_x);
-        }
-        for (int64_t k = 0; k < chunk / kLanes; ++k) {
-          const __m512 x = V::load(g + j + k * kLanes);
-          const __m512 s = V::round(_mm512_div_ps(x, _mm512_add_ps(one, e[k])));
-          V::store(o + j + k * kLanes, _mm512_mul_ps(s, V::load(u + j + k * kLanes)));
+      } else {
+        for (; j + chunk <= n; j += chunk) {
+          // torch's own exps first (opaque calls), then the independent divisions of the
+          // whole chunk, which the core overlaps: one vector at a time waited on each.
+          __m512 e[chunk / kLanes];
+          for (int64_t k = 0; k < chunk / kLanes; ++k) e[k] = vexp(_mm512_xor_ps(V::load(g + j + k * kLanes), sign));
+          for (int64_t k = 0; k < chunk / kLanes; ++k) {
+            const __m512 x = V::load(g + j + k * kLanes);
+            const __m512 s = V::round(_mm512_div_ps(x, _mm512_add_ps(one, e[k])));
+            V::store(o + j + k * kLanes, _mm512_mul_ps(s, V::load(u + j + k * kLanes)));
+          }
         }
       }
       for (; j < n; ++j) {
