@@ -601,7 +601,6 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
       auto* o = op + row * n;
       int64_t j = 0;
       using V = Vec<T>;
-      const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         // The vector body's SiLU from bf16_silu_table.
         for (; j + chunk <= n; j += chunk) {
@@ -614,6 +613,7 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
           }
         }
       } else {
+        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
         for (; j + chunk <= n; j += chunk) {
           // torch's own exps first (opaque calls), then the independent divisions of the
           // whole chunk, which the core overlaps: one vector at a time waited on each.
