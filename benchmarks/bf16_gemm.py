@@ -5,10 +5,16 @@
 Every layer's four GEMMs (q|k|v, o, gate|up, down) of the default model (SmolLM2-135M: hidden
 576, intermediate 1536, 9 + 2 x 3 heads of 64), 30 layers of distinct random weights so that
 each call reads its weight from memory as a decode step does, at 1 to 1024 rows. Prints the
-best of 7 passes for each side (oneDNN and every panel kernel this CPU runs: AMX tiles, vdpbf16ps), the weight bytes per second, the GFLOP/s and the ratio, and
-exits 1 when the two sides' outputs differ by more than bf16 rounding of float32 sums
-(they are computed with the same instruction; only the summation order may differ).
-Needs a CPU with AVX512-BF16 (without it the engine uses oneDNN alone).
+best of 7 passes for each side (oneDNN and every panel kernel this CPU runs: AMX tiles,
+vdpbf16ps, float32 FMAs on widened bf16), the weight bytes per second, the GFLOP/s and the
+ratio, and exits 1 when the two sides' outputs differ by more than bf16 rounding of float32
+sums (only the summation order may differ).
+
+    .venv/bin/python benchmarks/bf16_gemm.py --quant   # the weights as the default model holds them
+
+--quant: the weights are GGUF Q4_1 blocks (gguf's reference quantizer), the panels those blocks
+(csrc/cpu_quant_panels.h) and oneDNN the dequantized bf16 weight; GB/s counts the blocks' bytes.
+Needs a CPU with AVX-512F.
 """
 from __future__ import annotations
 
@@ -26,23 +32,44 @@ from engine.ops import cpu_ops  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 
 
+def quantized(weights: list[list[torch.Tensor]]) -> tuple[list, list]:
+    """Each weight as Q4_1 blocks: (the dequantized bf16 weights, the blocks as panels)."""
+    import gguf
+    import numpy as np
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    dense, blocks = [], []
+    for layer in weights:
+        dense.append([]), blocks.append([])
+        for w in layer:
+            raw = np.ascontiguousarray(gguf.quantize(w.float().numpy(), q4_1))
+            values = np.array(gguf.dequantize(raw, q4_1), dtype=np.float32).reshape(w.shape)
+            dense[-1].append(torch.from_numpy(values).bfloat16())
+            blocks[-1].append(torch.ops.kvsentry.quant_panels_pack(torch.from_numpy(raw), int(q4_1), w.shape[1]))
+    return dense, blocks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,1024")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quant", action="store_true", help="Q4_1 blocks as the panels (the default model's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_ops.available() or not torch.ops.kvsentry.bf16_gemm_supported():
-        print("no AVX512-BF16 here (or no csrc build): nothing to compare")
+        print("no AVX-512F here (or no csrc build): nothing to compare")
         return 0
     g = torch.Generator().manual_seed(0)
     weights = [[(torch.randn(o, i, generator=g) * 0.05).bfloat16() for o, i in SHAPES] for _ in range(args.layers)]
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
     panels = [[torch.ops.kvsentry.bf16_gemm_pack(w) for w in layer] for layer in weights]
     weight_bytes = sum(o * i for o, i in SHAPES) * 2 * args.layers
+    if args.quant:
+        weights, panels = quantized(weights)
+        onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
+        weight_bytes = sum(p.numel() for layer in panels for p in layer)
     kernels = list(torch.ops.kvsentry.bf16_gemm_kernels())
-    print(f"{args.layers} layers x {SHAPES}, {weight_bytes / 1e6:.0f} MB of bf16 weights, {args.threads} thread(s), "
+    print(f"{args.layers} layers x {SHAPES}, {weight_bytes / 1e6:.0f} MB of {'Q4_1' if args.quant else 'bf16'} weights, {args.threads} thread(s), "
           f"panel kernels here: {', '.join(kernels)}")
     header = f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'GFLOP/s':>8}"
     for kernel in kernels:
@@ -60,7 +87,7 @@ def main() -> int:
             return [torch.ops.kvsentry.bf16_gemm_with(x, p, None, o, kernel)
                     for layer in panels for p, x, (o, _) in zip(layer, xs, SHAPES)]
 
-        flop = 2 * rows * weight_bytes / 2
+        flop = 2 * rows * sum(o * i for o, i in SHAPES) * args.layers
         t_one = best(run_onednn, 7)
         line = f"{rows:>5} {t_one * 1e3:>10.2f} {weight_bytes / t_one / 1e9:>6.1f} {flop / t_one / 1e9:>8.0f}"
         for kernel in kernels:

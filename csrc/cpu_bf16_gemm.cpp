@@ -51,6 +51,7 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_f32_gemm.h"
 #include "cpu_panel_gemm.h"
 #include "cpu_prefetch.h"
 #include "cpu_quant_panels.h"
@@ -123,6 +124,60 @@ __attribute__((target("avx512f,avx512bf16"))) void tile(const uint32_t* x, int64
 using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t,
                         int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+// float32 lanes to bf16, to nearest even, NaN to torch's quiet NaN (0x7FC0): c10::BFloat16's
+// rounding, without AVX512-BF16's vcvtneps2bf16 (which also flushes denormals).
+__attribute__((target("avx512f"), always_inline)) inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  up = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(up);
+}
+
+// tile<R>'s loop on CPUs with AVX-512F alone ("avx512f"), x widened to float32 beforehand
+// (row stride xs floats): each 32-bit pair of the panel split into its two float32 values (a
+// bf16 is a float's top half), the even K's then the odd K's fused multiply-added by x's
+// broadcast: K summed in order one at a time, as the float32 GEMM sums it, so a quantized
+// panel's results through that GEMM (kvsentry_f32::bf16_quant_gemm) are these bits.
+template <int R>
+__attribute__((target("avx512f"))) void tile_widen(const float* x, int64_t xs, const uint16_t* panel, int64_t pairs,
+                                                   const float* bias, uint16_t* y, int64_t ys, int64_t width) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  const uint16_t* w = panel;
+  for (int64_t p = 0; p < pairs; ++p, w += 2 * kPanel) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + 128, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + 192, _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i wj = _mm512_loadu_si512(w + 32 * j);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wj, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wj, high));
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + 2 * p]), even, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + 2 * p + 1]), odd, acc[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    __mmask16 mask;
+    __m512 b;
+    if (!output_chunk(j, width, bias, mask, b)) break;
+    for (int r = 0; r < R; ++r) {
+      _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, to_bf16(_mm512_add_ps(acc[r][j], b)));
+    }
+  }
+}
+
+using WidenTileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t,
+                             int64_t);
+constexpr WidenTileFn kWidenTiles[kRows + 1] = {nullptr,       tile_widen<1>, tile_widen<2>, tile_widen<3>,
+                                                tile_widen<4>, tile_widen<5>, tile_widen<6>};
 
 // Tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B (16 pairs x
 // 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
@@ -302,14 +357,18 @@ Tensor pack(const Tensor& weight) {
   return packed;
 }
 
-enum class Kernel { kAmx, kAvx512Bf16 };
+enum class Kernel { kAmx, kAvx512Bf16, kAvx512F };
 
 Kernel kernel_named(const std::string& name) {
   if (name == "amx") {
     TORCH_CHECK(kvsentry_amx::supported(), kOp, ": this CPU (or build) has no AMX-BF16");
     return Kernel::kAmx;
   }
-  TORCH_CHECK(name == "avx512_bf16", kOp, ": unknown kernel '", name, "' (amx or avx512_bf16)");
+  if (name == "avx512f") {
+    TORCH_CHECK(kvsentry_f32::supported(), kOp, ": this CPU (or build) has no AVX-512F");
+    return Kernel::kAvx512F;
+  }
+  TORCH_CHECK(name == "avx512_bf16", kOp, ": unknown kernel '", name, "' (amx, avx512_bf16 or avx512f)");
   TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX512-BF16");
   return Kernel::kAvx512Bf16;
 }
@@ -355,6 +414,19 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
     amx_gemm(xh, x.stride(0), wp, panels, pairs, bp, yp, m, n, q);
     return y;
   }
+  if (kernel == Kernel::kAvx512F) {
+    if (q != nullptr) return kvsentry_f32::bf16_quant_gemm(x, packed, bias, n);
+    const Tensor xf = x.to(at::kFloat).contiguous();  // [m, 2 pairs]: exact, broadcast from memory
+    const float* xfp = xf.data_ptr<float>();
+    kvsentry_panels::for_row_tiles(
+        m, panels, [&](int64_t panel) { return wp + panel * pairs * 2 * kPanel; },
+        [&](const uint16_t* w, int64_t panel, int64_t r, int64_t rows) {
+          const int64_t col = panel * kPanel;
+          kWidenTiles[rows](xfp + r * 2 * pairs, 2 * pairs, w, pairs, bp != nullptr ? bp + col : nullptr,
+                            yp + r * n + col, n, std::min(kPanel, n - col));
+        });
+    return y;
+  }
   kvsentry_panels::for_row_tiles(
       m, panels,
       [&](int64_t panel) { return q != nullptr ? kvsentry_quant::bf16_panel(*q, panel) : wp + panel * pairs * 2 * kPanel; },
@@ -367,10 +439,11 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
   return y;
 }
 
-// The best kernel this CPU runs: AMX where there is AMX, else vdpbf16ps.
+// The best kernel this CPU runs: AMX where there is AMX, else vdpbf16ps, else float32 FMAs.
 Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {
-  TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX512-BF16");
-  return run(x, packed, bias, n, kvsentry_amx::supported() ? Kernel::kAmx : Kernel::kAvx512Bf16);
+  TORCH_CHECK(supported() || kvsentry_f32::supported(), kOp, ": this CPU (or build) has no AVX-512F");
+  return run(x, packed, bias, n,
+             kvsentry_amx::supported() ? Kernel::kAmx : supported() ? Kernel::kAvx512Bf16 : Kernel::kAvx512F);
 }
 
 Tensor gemm_with(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n,
@@ -378,12 +451,13 @@ Tensor gemm_with(const Tensor& x, const Tensor& packed, const std::optional<Tens
   return run(x, packed, bias, n, kernel_named(std::string(kernel)));
 }
 
-bool gemm_supported() { return supported(); }
+bool gemm_supported() { return supported() || kvsentry_f32::supported(); }
 
 std::vector<std::string> gemm_kernels() {
   std::vector<std::string> kernels;
   if (kvsentry_amx::supported()) kernels.emplace_back("amx");
   if (supported()) kernels.emplace_back("avx512_bf16");
+  if (kvsentry_f32::supported()) kernels.emplace_back("avx512f");
   return kernels;
 }
 

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_f32_gemm.h"
 #include "cpu_panel_gemm.h"
 #include "cpu_quant_panels.h"
 
@@ -124,7 +125,8 @@ __attribute__((target("avx512f"), always_inline)) inline void multiply_adds(cons
 // tile<R, 1> against a GGUF-quantized panel: each block of 32 K is dequantized into L1 (two
 // buffers in turn) right before its multiply-adds, in the same K order, the accumulators in
 // registers throughout. For one row tile (up to kRows rows): more would dequantize again.
-template <int R>
+// kBf16: the weights rounded to bf16 as they dequantize (dequant_f32), here and below.
+template <int R, bool kBf16>
 __attribute__((target("avx512f"))) void tile_dequant(const float* x, int64_t xs, const kvsentry_quant::Panels& quant,
                                                      int64_t panel, const float* bias, float* y, int64_t ys,
                                                      int64_t width) {
@@ -135,7 +137,7 @@ __attribute__((target("avx512f"))) void tile_dequant(const float* x, int64_t xs,
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < quant.blocks; ++b) {
-    kvsentry_quant::dequant_f32(quant, panel, b, b + 1, blocks[b & 1]);
+    kvsentry_quant::dequant_f32<kBf16>(quant, panel, b, b + 1, blocks[b & 1]);
     multiply_adds<R>(x + b * kBlockK, xs, blocks[b & 1], kBlockK, acc);
   }
   store_tile<R, 4>(acc, bias, y, ys, width);
@@ -168,6 +170,7 @@ constexpr int64_t kDequantRows = 32;
 // 30 layers against the panel dequantized into L2 first (1-core Xeon, alternating): 18.2-19.3
 // -> 14.8-14.9 ms at 8 rows, 25.2 -> 23.0 at 16, 42.0 -> 40.4 at 32; 47.8 -> 48.9 at 40, and
 // 70.4 -> 75.9 at 64, where the accumulators' reloads outweigh the L2 reads.
+template <bool kBf16>
 __attribute__((target("avx512f"))) void rows_dequant(const float* x, int64_t xs, int64_t m,
                                                      const kvsentry_quant::Panels& quant, int64_t panel,
                                                      const float* bias, float* y, int64_t ys, int64_t width) {
@@ -175,7 +178,7 @@ __attribute__((target("avx512f"))) void rows_dequant(const float* x, int64_t xs,
   alignas(64) float block[kBlockK * kPanel];
   alignas(64) float acc[kDequantRows * kPanel];
   for (int64_t b = 0; b < quant.blocks; ++b) {
-    kvsentry_quant::dequant_f32(quant, panel, b, b + 1, block);
+    kvsentry_quant::dequant_f32<kBf16>(quant, panel, b, b + 1, block);
     for (int64_t r = 0; r < m; r += kRows) {
       kBlockTiles[std::min(kRows, m - r)](x + r * xs + b * kBlockK, xs, block, acc + r * kPanel, b == 0);
     }
@@ -194,8 +197,51 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const floa
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>};
 using DequantTileFn = void (*)(const float*, int64_t, const kvsentry_quant::Panels&, int64_t, const float*, float*,
                                int64_t, int64_t);
-constexpr DequantTileFn kDequantTiles[kRows + 1] = {nullptr,         tile_dequant<1>, tile_dequant<2>, tile_dequant<3>,
-                                                    tile_dequant<4>, tile_dequant<5>, tile_dequant<6>};
+template <bool kBf16>
+constexpr DequantTileFn kDequantTiles[kRows + 1] = {
+    nullptr, tile_dequant<1, kBf16>, tile_dequant<2, kBf16>, tile_dequant<3, kBf16>,
+    tile_dequant<4, kBf16>, tile_dequant<5, kBf16>, tile_dequant<6, kBf16>};
+
+// y [m, n] = x [m, k] (row stride xs) . W^T + bias for W the float32 panels `wp` or the
+// quantized panels `qp` (one of them null), whose values kBf16 rounds to bf16: gemm's loops.
+template <bool kBf16>
+void run(const float* xp, int64_t xs, int64_t m, int64_t k, const float* wp, const kvsentry_quant::Panels* qp,
+         int64_t panels, const float* bp, float* yp, int64_t n) {
+  if (m == 1 && qp == nullptr) {  // groups of kRowPanels panels, then one at a time; threads split the panels
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t panel = begin; panel < end;) {
+        const int64_t col = panel * kPanel, group = panel + kRowPanels <= end ? kRowPanels : 1;
+        (group == kRowPanels ? tile<1, kRowPanels> : tile<1, 1>)(xp, xs, wp + panel * k * kPanel, k,
+                                                                 bp != nullptr ? bp + col : nullptr, yp + col, n,
+                                                                 std::min(group * kPanel, n - col));
+        panel += group;
+      }
+    });
+    return;
+  }
+  if (qp != nullptr && m <= kDequantRows) {  // each panel dequantized block by block as it goes
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t col = panel * kPanel, width = std::min(kPanel, n - col);
+        const float* bias_p = bp != nullptr ? bp + col : nullptr;
+        if (m <= kRows) {
+          kDequantTiles<kBf16>[m](xp, xs, *qp, panel, bias_p, yp + col, n, width);  // accumulators in registers
+        } else {
+          rows_dequant<kBf16>(xp, xs, m, *qp, panel, bias_p, yp + col, n, width);
+        }
+      }
+    });
+    return;
+  }
+  kvsentry_panels::for_row_tiles(
+      m, panels,
+      [&](int64_t panel) { return qp != nullptr ? kvsentry_quant::f32_panel<kBf16>(*qp, panel) : wp + panel * k * kPanel; },
+      [&](const float* w, int64_t panel, int64_t r, int64_t rows) {
+        const int64_t col = panel * kPanel;
+        kTiles[rows](xp + r * xs, xs, w, k, bp != nullptr ? bp + col : nullptr, yp + r * n + col, n,
+                     std::min(kPanel, n - col));
+      });
+}
 #else
 bool supported() { return false; }
 #endif
@@ -233,47 +279,10 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   const Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : Tensor();
 #if defined(__AVX512F__)
-  const float* xp = x.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  const float* wp = quant ? nullptr : packed.data_ptr<float>();
   const auto qp = quant ? kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2))
                         : kvsentry_quant::Panels{};
-  float* yp = y.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (m == 1 && !quant) {  // groups of kRowPanels panels, then one at a time; threads split the panels
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t panel = begin; panel < end;) {
-        const int64_t col = panel * kPanel, group = panel + kRowPanels <= end ? kRowPanels : 1;
-        (group == kRowPanels ? tile<1, kRowPanels> : tile<1, 1>)(xp, xs, wp + panel * k * kPanel, k,
-                                                                 bp != nullptr ? bp + col : nullptr, yp + col, n,
-                                                                 std::min(group * kPanel, n - col));
-        panel += group;
-      }
-    });
-    return y;
-  }
-  if (quant && m <= kDequantRows) {  // each panel dequantized block by block as it goes
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const int64_t col = panel * kPanel, width = std::min(kPanel, n - col);
-        const float* bias_p = bp != nullptr ? bp + col : nullptr;
-        if (m <= kRows) {
-          kDequantTiles[m](xp, xs, qp, panel, bias_p, yp + col, n, width);  // accumulators in registers
-        } else {
-          rows_dequant(xp, xs, m, qp, panel, bias_p, yp + col, n, width);
-        }
-      }
-    });
-    return y;
-  }
-  kvsentry_panels::for_row_tiles(
-      m, panels,
-      [&](int64_t panel) { return quant ? kvsentry_quant::f32_panel(qp, panel) : wp + panel * k * kPanel; },
-      [&](const float* w, int64_t panel, int64_t r, int64_t rows) {
-        const int64_t col = panel * kPanel;
-        kTiles[rows](xp + r * xs, xs, w, k, bp != nullptr ? bp + col : nullptr, yp + r * n + col, n,
-                     std::min(kPanel, n - col));
-      });
+  run<false>(x.data_ptr<float>(), x.stride(0), m, k, quant ? nullptr : packed.data_ptr<float>(),
+             quant ? &qp : nullptr, panels, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), n);
 #endif
   return y;
 }
@@ -281,6 +290,31 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
 bool gemm_supported() { return supported(); }
 
 }  // namespace
+
+namespace kvsentry_f32 {
+
+bool supported() { return ::supported(); }
+
+at::Tensor bf16_quant_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                           int64_t n) {
+  TORCH_CHECK(::supported(), kOp, ": this CPU (or build) has no AVX-512F");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) * kvsentry_quant::kBlockK == k,
+              kOp, ": bf16_quant_gemm takes quant_panels_pack's blocks and an x of their K");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({m, n}, xf.options());
+#if defined(__AVX512F__)
+  if (m > 0) {
+    const auto qp = kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2));
+    run<true>(xf.data_ptr<float>(), k, m, k, nullptr, &qp, packed.size(0), b.defined() ? b.data_ptr<float>() : nullptr,
+              y.data_ptr<float>(), n);
+  }
+#endif
+  return y.to(at::kBFloat16);
+}
+
+}  // namespace kvsentry_f32
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("f32_gemm_pack(Tensor weight) -> Tensor");

@@ -72,8 +72,8 @@ Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
 
 bool supported(at::ScalarType dtype) {
 #if defined(__AVX512F__)
-  if (dtype == at::kFloat) return __builtin_cpu_supports("avx512f");
-  if (dtype == at::kBFloat16) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  // bf16 without AVX512-BF16: bf16_gemm's "avx512f" kernel, through the float32 GEMM.
+  if (dtype == at::kFloat || dtype == at::kBFloat16) return __builtin_cpu_supports("avx512f");
 #endif
   (void)dtype;
   return false;
@@ -97,6 +97,16 @@ Tensor unpack(const Tensor& packed, int64_t n, at::ScalarType dtype) {
       float* o = out.data_ptr<float>() + p * kOutputs * k;
       for (int64_t r = 0; r < width; ++r) {
         for (int64_t c = 0; c < k; ++c) o[r * k + c] = panel[c * kOutputs + r];
+      }
+    } else if (!__builtin_cpu_supports("avx512bf16")) {  // what the "avx512f" kernel multiplies by
+      const float* panel = f32_panel<true>(w, p);
+      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + p * kOutputs * k;
+      for (int64_t r = 0; r < width; ++r) {
+        for (int64_t c = 0; c < k; ++c) {
+          uint32_t bits;
+          std::memcpy(&bits, panel + c * kOutputs + r, 4);
+          o[r * k + c] = static_cast<uint16_t>(bits >> 16);  // rounded already: the top half is the bf16
+        }
       }
     } else {
       const uint16_t* panel = bf16_panel(w, p);

@@ -130,8 +130,21 @@ __attribute__((target("avx512f,avx512bf16"))) inline void dequant_bf16(const Pan
   }
 }
 
+// float32 lanes rounded to the nearest bf16, ties to even, as torch's cast rounds them, and kept
+// as float32 (the low 16 bits zero). For finite values: a block's d * q + m always is (a NaN or
+// infinite scale makes quant_panels' pack-time check refuse the blocks).
+__attribute__((target("avx512f"), always_inline)) inline __m512 round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // Blocks [b0, b1) of panel `p` into the float32 GEMM's panel layout (32 K x 64 float32 a block,
-// from dst): K = 2 pair + e is the e lanes of A, then of B.
+// from dst): K = 2 pair + e is the e lanes of A, then of B. kBf16: each value rounded to bf16
+// first -- a bf16 model's weight, multiplied in float32 on CPUs without AVX512-BF16
+// (cpu_bf16_gemm.cpp's "avx512f" kernel).
+template <bool kBf16 = false>
 __attribute__((target("avx512f"))) inline void dequant_f32(const Panels& w, int64_t p, int64_t b0, int64_t b1,
                                                           float* dst) {
   const int64_t bytes = block_bytes(w.type);
@@ -145,6 +158,10 @@ __attribute__((target("avx512f"))) inline void dequant_f32(const Panels& w, int6
       for (int g = 0; g < 4; ++g) {
         __m512 a, b;
         lanes.at(pair, g, a, b);
+        if (kBf16) {
+          a = round_to_bf16(a);
+          b = round_to_bf16(b);
+        }
         _mm512_storeu_ps(dst + 16 * g, _mm512_permutex2var_ps(a, even, b));
         _mm512_storeu_ps(dst + kOutputs + 16 * g, _mm512_permutex2var_ps(a, odd, b));
       }
@@ -176,9 +193,10 @@ __attribute__((target("avx512f,avx512bf16"))) inline const uint16_t* bf16_panel(
   return dst;
 }
 
+template <bool kBf16 = false>
 __attribute__((target("avx512f"))) inline const float* f32_panel(const Panels& w, int64_t p) {
   auto* dst = static_cast<float*>(scratch(w.blocks * kBlockK * kOutputs * 4));
-  dequant_f32(w, p, 0, w.blocks, dst);
+  dequant_f32<kBf16>(w, p, 0, w.blocks, dst);
   return dst;
 }
 #endif

@@ -74,7 +74,7 @@ _PANEL_OPS = {torch.bfloat16: "bf16_gemm", torch.float32: "f32_gemm"}
 
 def panels_supported(weight: torch.Tensor) -> bool:
     """Whether a linear of `weight` can run through panels: csrc/cpu_bf16_gemm.cpp for bf16
-    (AVX512-BF16), csrc/cpu_f32_gemm.cpp for float32 (AVX-512F)."""
+    (AMX, AVX512-BF16, or AVX-512F alone), csrc/cpu_f32_gemm.cpp for float32 (AVX-512F)."""
     name = _PANEL_OPS.get(weight.dtype)
     if name is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_ops.available():
         return False
@@ -95,7 +95,19 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
         dense = None
     else:
         dense = 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
+    if quantized and dense is None and bf16_float32_fmas(dtype):
+        return None  # oneDNN's bf16 here is an emulation: the panels serve every size (see above)
     return QUANT_PANEL_MAX_ROWS[dtype] if quantized and dense != 0 else dense
+
+
+def bf16_float32_fmas(dtype: torch.dtype) -> bool:
+    """Whether this CPU's bf16 linears multiply in float32 FMAs: AVX-512F without AVX512-BF16,
+    where bf16_gemm's best kernel is "avx512f" (widened panels, or for GGUF blocks the float32
+    GEMM on the values rounded to bf16)."""
+    if dtype != torch.bfloat16 or not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "bf16_gemm_kernels"):
+        return False
+    kernels = torch.ops.kvsentry.bf16_gemm_kernels()
+    return bool(kernels) and kernels[0] == "avx512f"
 
 
 def onednn_supports(weight: torch.Tensor) -> bool:

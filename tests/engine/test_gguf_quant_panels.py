@@ -72,6 +72,8 @@ def test_quantized_linear_keeps_onednn_past_its_row_limit(monkeypatch, amx):
     if not amx:
         flags = cpu_ops.cpu_flags() - {"amx_bf16"}
         monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    # Not the float32-FMA CPUs (AVX-512F alone), whose panels serve every size: the test below.
+    monkeypatch.setattr(cpu_gemm, "bf16_float32_fmas", lambda dtype: False)
     values = np.random.default_rng(5).standard_normal((96, 64)).astype(np.float32) * 0.2
     raw = np.ascontiguousarray(gguf.quantize(values, Q.Q4_1))
     weight = torch.from_numpy(np.array(gguf.dequantize(raw, Q.Q4_1), dtype=np.float32)).bfloat16()
@@ -86,3 +88,33 @@ def test_quantized_linear_keeps_onednn_past_its_row_limit(monkeypatch, amx):
                 else torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [None], ""))
         assert packed.uses_panels(rows) == (rows <= limit)
         assert torch.equal(packed(x), want)
+
+
+def test_quantized_linear_alone_where_bf16_multiplies_in_float32(monkeypatch):
+    """On CPUs with AVX-512F but no AVX512-BF16 (simulated here where the CPU has more), oneDNN's
+    bf16 is an emulation (~30 GFLOP/s on one Xeon core against ~140 for the panels), so the
+    quantized panels serve every size and no dense copy is kept; on such a CPU bf16_gemm's
+    best kernel is "avx512f", whose results are the dense panels' bit for bit."""
+    import numpy as np
+
+    from engine.gguf.weights import QuantRows
+    from engine.models import cpu_gemm
+    from engine.ops import cpu_ops
+    if not _quant_supported(torch.bfloat16):
+        pytest.skip("no bf16 quantized panels here")
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_gemm, "bf16_float32_fmas", lambda dtype: dtype == torch.bfloat16)
+    values = np.random.default_rng(6).standard_normal((96, 64)).astype(np.float32) * 0.2
+    raw = np.ascontiguousarray(gguf.quantize(values, Q.Q4_1))
+    weight = torch.from_numpy(np.array(gguf.dequantize(raw, Q.Q4_1), dtype=np.float32)).bfloat16()
+    packed = PackedLinear(weight, None, QuantRows(int(Q.Q4_1), 64, torch.from_numpy(raw)))
+    assert packed.panels.dtype == torch.uint8 and not packed.onednn and packed.panel_max_rows is None
+    dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
+    for rows in (1, 129, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert packed.uses_panels(rows)
+        for kernel in torch.ops.kvsentry.bf16_gemm_kernels():
+            assert torch.equal(torch.ops.kvsentry.bf16_gemm_with(x, packed.panels, None, 96, kernel),
+                               torch.ops.kvsentry.bf16_gemm_with(x, dense, None, 96, kernel)), (rows, kernel)
+        torch.testing.assert_close(packed(x).float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)
