@@ -1,4 +1,5 @@
-// A bfloat16 GEMM for the linear layers of decode steps on CPUs with AVX512-BF16.
+// A bfloat16 GEMM for the linear layers of decode steps on CPUs with AVX512-BF16 (and of every
+// step on CPUs with AVX-512F alone, where oneDNN's bf16 is an emulation).
 //
 //   packed = torch.ops.kvsentry.bf16_gemm_pack(weight)        weight [N, K] bf16
 //            -> [ceil(N / 64), 16 ceil(K / 32), 64, 2] bf16: 64-output panels, K in pairs
@@ -11,7 +12,8 @@
 //   y = torch.ops.kvsentry.bf16_gemm_with(x, packed, bias, N, kernel)   one kernel by name
 //   torch.ops.kvsentry.bf16_gemm_supported() -> bool            built with it and the CPU has it
 //   torch.ops.kvsentry.bf16_gemm_kernels() -> str[]             the kernels this CPU runs, best first:
-//            "amx" (AMX-BF16 tiles) and "avx512_bf16" (vdpbf16ps); bf16_gemm takes the first
+//            "amx" (AMX-BF16 tiles), "avx512_bf16" (vdpbf16ps) and "avx512f" (float32 FMAs on
+//            the widened values); bf16_gemm takes the first
 //
 // Why: a decode step's linears read every weight once for a few rows. oneDNN's kernels for
 // those shapes (avx512_core_bf16 on CPUs without AMX) run far below both the memory and the
@@ -35,11 +37,19 @@
 // rows oneDNN's blocking is faster (1.1 vs 0.6 TFLOP/s at 1024 rows), so
 // engine/models/cpu_gemm.py keeps oneDNN for those (AMX_PANEL_MAX_ROWS).
 //
+// CPUs with AVX-512F but neither AVX512-BF16 nor AMX (Skylake-SP to Ice Lake, or a VM hiding
+// the flags) run "avx512f": the same panels, each pair widened to two float32 (a shift and a
+// mask) and multiplied with FMAs; GGUF blocks there go through the float32 GEMM
+// (cpu_f32_gemm.h), dequantized and rounded to bf16. oneDNN's bf16 on such a CPU emulates the
+// products at ~30 GFLOP/s on one Xeon core; these run 1.6x faster at 1 row and ~4.4x from 32
+// rows (benchmarks/bf16_gemm.py).
+//
 // Numerics: vdpbf16ps multiplies bf16 pairs exactly and adds in float32 (denormal inputs and
 // results read as zero, round to nearest even), summing K in order two at a time; the bias is
 // added in float32 and the result rounded to bf16 once, as oneDNN does -- only the summation
 // order differs from oneDNN's, so results agree to float32 rounding of the sums
-// (tests/csrc/test_bf16_gemm.py holds it to a float64 reference).
+// (tests/csrc/test_bf16_gemm.py holds it to a float64 reference). "avx512f" sums K one at a
+// time by FMAs (one rounding per product-add, no denormal flush), as the float32 GEMM does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -18,6 +18,14 @@ where oneDNN's avx512_core_bf16 kernels do not, and matches them on prefill size
 default model's 30 layers on one Zen 5 core (benchmarks/bf16_gemm.py), 1.36x oneDNN at 1 row,
 1.35x at 8, 1.17x at 32, 1.10x at 64, 1.0x at 128 and 1024 rows.
 
+bfloat16 on CPUs with AVX-512F but neither AVX512-BF16 nor AMX (Intel Skylake-SP to Ice Lake, and
+virtual machines that hide those flags): oneDNN's bf16 kernels there emulate the bf16 products
+(~30 GFLOP/s on one Xeon core at every size), so every size goes through the panels, whose
+"avx512f" kernel widens each bf16 to float32 and multiplies with FMAs (benchmarks/bf16_gemm.py,
+30 layers, one Xeon core with the flags hidden: 1.58x oneDNN at 1 row, 3.6x at 8, 4.2x at 32,
+4.4x at 64 and 256 rows, ~136 GFLOP/s); GGUF blocks go through the float32 GEMM, on their values
+rounded to bf16 (--quant: 1.68x, 3.5x, 4.2x, 4.8x, 4.7x; 4.1x at 1024 rows).
+
 bfloat16 on CPUs with AMX (Intel Sapphire Rapids and later): the same panels through AMX tiles
 for steps of up to AMX_PANEL_MAX_ROWS rows, oneDNN's AMX kernels beyond, so both copies are
 kept (the linears' bf16 weights twice; KVSENTRY_DISABLE_AMX_PANELS=1 keeps oneDNN's alone). On

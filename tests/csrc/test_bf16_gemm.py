@@ -1,7 +1,8 @@
 """csrc/cpu_bf16_gemm.cpp (torch.ops.kvsentry.bf16_gemm) against a float64 reference and
-against oneDNN, on CPUs with AVX512-BF16 (skipped elsewhere: the engine keeps oneDNN there).
-Every kernel this CPU runs is tested on its own (bf16_gemm_with): the vdpbf16ps panels
-everywhere, and the AMX tiles where the CPU has AMX.
+against oneDNN, on CPUs with AVX-512F (skipped elsewhere: the engine keeps oneDNN there).
+Every kernel this CPU runs is tested on its own (bf16_gemm_with): the float32-FMA panels
+("avx512f") everywhere, the vdpbf16ps panels where the CPU has AVX512-BF16, and the AMX tiles
+where it has AMX.
 
 The reference: x @ w^T + b in float64 over the bf16 inputs, which float32 accumulation of
 exact bf16 products must meet within its own rounding (K ulps of the largest partial sum),
@@ -15,7 +16,7 @@ import torch
 @pytest.fixture(scope="module")
 def ops(kvsentry_ops):
     if not kvsentry_ops.bf16_gemm_supported():
-        pytest.skip("no AVX512-BF16 on this CPU: the engine uses oneDNN for every bf16 linear")
+        pytest.skip("no AVX-512F on this CPU: the engine uses oneDNN for every bf16 linear")
     return kvsentry_ops
 
 
