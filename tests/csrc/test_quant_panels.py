@@ -1,9 +1,9 @@
 """csrc/cpu_quant_panels.h: GGUF Q4_1 / Q8_0 blocks as panels. Their dequantized values are
 ggml's reference dequantization (gguf.dequantize) bit for bit, and the bf16 and float32 panel
 GEMMs give bit for bit the results of their own panels packed from those values, on every row
-path (one row, AMX tiles of up to 16 rows, chunked passes past 16, the vdpbf16ps tiles).
-Skipped on CPUs without AVX-512 (and AVX512-BF16 for bf16), where the engine keeps the plain
-weights. Needs the ops built (`kvsentry_ops`)."""
+path (one row, AMX tiles of up to 16 rows, chunked passes past 16, the vdpbf16ps tiles, and
+the "avx512f" kernel, whose quantized panels go through the float32 GEMM on values rounded to
+bf16). Skipped on CPUs without AVX-512, where the engine keeps the plain weights. Needs the ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 
 import gguf
