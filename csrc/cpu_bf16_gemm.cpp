@@ -150,9 +150,7 @@ constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4
 // float32 lanes to bf16, to nearest even, NaN to torch's quiet NaN (0x7FC0): c10::BFloat16's
 // rounding, without AVX512-BF16's vcvtneps2bf16 (which also flushes denormals).
 __attribute__((target("avx512f"), always_inline)) inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  __m512i up = _mm512_srli_epi32(_mm512_castps_si512(kvsentry_quant::round_to_bf16(v)), 16);
   up = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(up);
 }
@@ -432,8 +430,8 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
     return y;
   }
   if (kernel == Kernel::kAvx512F) {
-    if (q != nullptr) return kvsentry_f32::bf16_quant_gemm(x, packed, bias, n);
     const Tensor xf = x.to(at::kFloat).contiguous();  // [m, 2 pairs]: exact, broadcast from memory
+    if (q != nullptr) return y.copy_(kvsentry_f32::bf16_quant_gemm(xf, *q, panels, bp, n));  // RNE, as to_bf16
     const float* xfp = xf.data_ptr<float>();
     kvsentry_panels::for_row_tiles(
         m, panels, [&](int64_t panel) { return wp + panel * pairs * 2 * kPanel; },

@@ -295,23 +295,17 @@ namespace kvsentry_f32 {
 
 bool supported() { return ::supported(); }
 
-at::Tensor bf16_quant_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                           int64_t n) {
+at::Tensor bf16_quant_gemm(const at::Tensor& xf, const kvsentry_quant::Panels& quant, int64_t panels,
+                           const float* bias, int64_t n) {
   TORCH_CHECK(::supported(), kOp, ": this CPU (or build) has no AVX-512F");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) * kvsentry_quant::kBlockK == k,
-              kOp, ": bf16_quant_gemm takes quant_panels_pack's blocks and an x of their K");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t m = xf.size(0), k = xf.size(1);
+  TORCH_CHECK(xf.scalar_type() == at::kFloat && xf.is_contiguous() && quant.blocks * kvsentry_quant::kBlockK == k,
+              kOp, ": bf16_quant_gemm takes a contiguous float32 x of the blocks' K");
   at::Tensor y = at::empty({m, n}, xf.options());
 #if defined(__AVX512F__)
-  if (m > 0) {
-    const auto qp = kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2));
-    run<true>(xf.data_ptr<float>(), k, m, k, nullptr, &qp, packed.size(0), b.defined() ? b.data_ptr<float>() : nullptr,
-              y.data_ptr<float>(), n);
-  }
+  if (m > 0) run<true>(xf.data_ptr<float>(), k, m, k, nullptr, &quant, panels, bias, y.data_ptr<float>(), n);
 #endif
-  return y.to(at::kBFloat16);
+  return y;
 }
 
 }  // namespace kvsentry_f32

@@ -131,8 +131,9 @@ __attribute__((target("avx512f,avx512bf16"))) inline void dequant_bf16(const Pan
 }
 
 // float32 lanes rounded to the nearest bf16, ties to even, as torch's cast rounds them, and kept
-// as float32 (the low 16 bits zero). For finite values: a block's d * q + m always is (a NaN or
-// infinite scale makes quant_panels' pack-time check refuse the blocks).
+// as float32 (the low 16 bits zero). For finite values (a NaN's payload may carry into the sign):
+// a block's d * q + m always is (a NaN or infinite scale makes quant_panels' pack-time check
+// refuse the blocks); cpu_bf16_gemm.cpp's to_bf16 fixes NaN up itself.
 __attribute__((target("avx512f"), always_inline)) inline __m512 round_to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

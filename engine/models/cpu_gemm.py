@@ -103,7 +103,7 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
         dense = None
     else:
         dense = 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
-    if quantized and dense is None and bf16_float32_fmas(dtype):
+    if quantized and bf16_float32_fmas(dtype):  # no AMX there: dense is None
         return None  # oneDNN's bf16 here is an emulation: the panels serve every size (see above)
     return QUANT_PANEL_MAX_ROWS[dtype] if quantized and dense != 0 else dense
 
