@@ -576,7 +576,7 @@ void paged_decode_attention_cpu(Tensor& out, const Tensor& query, const Tensor& 
                   "), got ", entry, " at [", b, ", ", j, "]");
     }
   }
-  if (g_amx_enabled.load(std::memory_order_relaxed) &&
+  if (kvsentry_amx::attention_amx_enabled() &&
       kvsentry_amx::decode_attention_amx_fits(query, key_cache, value_cache)) {
     kvsentry_amx::decode_attention_amx(out, query, key_cache, value_cache, block_tables, seq_lens, reads,
                                        num_read_blocks, static_cast<float>(scale));
@@ -606,14 +606,16 @@ bool cpu_bf16_dot(std::optional<bool> enable) {
   return cpu_has_bf16_dot() && g_bf16_dot_enabled.load();
 }
 
-// Whether bf16 caches of the shapes it takes go through the AMX path (the CPU has AMX-BF16 and
-// it is not turned off); `enable` turns it on or off first.
+// Whether bf16 caches of the shapes they take go through the AMX paths, decode's and prefill's
+// (the CPU has AMX-BF16 and they are not turned off); `enable` turns them on or off first.
 bool cpu_attention_amx(std::optional<bool> enable) {
   if (enable.has_value()) g_amx_enabled.store(*enable);
   return kvsentry_amx::supported() && g_amx_enabled.load();
 }
 
 }  // namespace
+
+bool kvsentry_amx::attention_amx_enabled() { return g_amx_enabled.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def(

@@ -20,10 +20,10 @@
 //     decode_*     the one-query rows [0, num_decodes): tables, lengths, entries each reads
 //     prefill_*    rows [prefill_first, prefill_last): prefill tokens as one-query rows
 //                  (engine/ops/attention.py's PrefillPlan); prefill_last == prefill_first: none
-//     prefill_amx_seq_lens, prefill_amx_starts (optional): the prefill requests' chunks run
-//                  through paged_prefill_attention instead (csrc/cpu_prefill_attention_amx.cpp):
+//     prefill_tile_seq_lens, prefill_tile_starts (optional): the prefill requests' chunks run
+//                  through paged_prefill_attention instead (csrc/cpu_prefill_attention.cpp):
 //                  prefill_tables then holds one row per request, these their lengths and
-//                  query_starts (attention.py's prefill_on_amx path)
+//                  query_starts (attention.py's prefill_in_tiles path)
 //     returns      the hidden state after the last layer (before the final norm), [T, N]
 //
 // Why: a 30-layer model at batch 1 runs ~15 ops per layer from Python, ~2 ms of interpreter
@@ -197,16 +197,16 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
                                 const OptTensor& prefill_tables, const OptTensor& prefill_seq_lens,
                                 const OptTensor& prefill_reads, int64_t prefill_num_read, int64_t prefill_first,
                                 int64_t prefill_last, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                double eps, double scale, at::OptionalIntArrayRef prefill_amx_seq_lens,
-                                at::OptionalIntArrayRef prefill_amx_starts) {
+                                double eps, double scale, at::OptionalIntArrayRef prefill_tile_seq_lens,
+                                at::OptionalIntArrayRef prefill_tile_starts) {
   check(hidden_in, positions, weights, biases, out_features, qk_norms, k_caches, v_caches, num_decodes,
         prefill_first, prefill_last, num_heads, num_kv_heads, head_dim);
   TORCH_CHECK(num_decodes == 0 || (decode_tables.has_value() && decode_seq_lens.has_value()), kOp,
               ": decode rows need their tables and lengths");
-  const bool amx_prefill = prefill_amx_seq_lens.has_value();
-  TORCH_CHECK(amx_prefill == prefill_amx_starts.has_value(), kOp,
-              ": prefill_amx_seq_lens and prefill_amx_starts go together");
-  TORCH_CHECK(prefill_last == prefill_first || (prefill_tables.has_value() && (amx_prefill || prefill_seq_lens.has_value())),
+  const bool tile_prefill = prefill_tile_seq_lens.has_value();
+  TORCH_CHECK(tile_prefill == prefill_tile_starts.has_value(), kOp,
+              ": prefill_tile_seq_lens and prefill_tile_starts go together");
+  TORCH_CHECK(prefill_last == prefill_first || (prefill_tables.has_value() && (tile_prefill || prefill_seq_lens.has_value())),
               kOp, ": prefill rows need their tables and lengths");
   const LayerOps& ops = layer_ops();
   const int64_t tokens = hidden_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -253,9 +253,9 @@ Tensor dense_decoder_layers_cpu(const Tensor& hidden_in, const Tensor& positions
       ops.attention.call(rows, q.narrow(0, 0, num_decodes), k_cache, v_cache, *decode_tables, *decode_seq_lens,
                          decode_reads, decode_num_read, scale);
     }
-    if (amx_prefill) {  // the requests' chunks on AMX tiles (prefill_tables: one row per request)
-      ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_tables, *prefill_amx_seq_lens,
-                                 *prefill_amx_starts, scale);
+    if (tile_prefill) {  // the requests' chunks on the prefill kernel's tiles (prefill_tables: a row a request)
+      ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_tables, *prefill_tile_seq_lens,
+                                 *prefill_tile_starts, scale);
     } else if (prefill_last > prefill_first) {
       Tensor rows = out.narrow(0, prefill_first, prefill_last - prefill_first);
       ops.attention.call(rows, q.narrow(0, prefill_first, prefill_last - prefill_first), k_cache, v_cache,
@@ -280,7 +280,7 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
       "Tensor? decode_reads, int decode_num_read, int num_decodes, Tensor? prefill_tables, "
       "Tensor? prefill_seq_lens, Tensor? prefill_reads, int prefill_num_read, int prefill_first, "
       "int prefill_last, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-      "int[]? prefill_amx_seq_lens=None, int[]? prefill_amx_starts=None) -> Tensor");
+      "int[]? prefill_tile_seq_lens=None, int[]? prefill_tile_starts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("dense_decoder_layers", &dense_decoder_layers_cpu); }

@@ -1,17 +1,6 @@
-// Paged prefill attention for a bfloat16 cache on CPUs with AMX-BF16: each prefill request's new
-// tokens attend causally to its whole sequence (a cached prefix and themselves), read straight
-// out of the paged cache after this step's K/V were written.
-//
-//   torch.ops.kvsentry.paged_prefill_attention(out, query, key_cache, value_cache, block_tables,
-//                                              seq_lens, query_starts, scale)
-//
-//   out           [T, Hq, Dv] bf16: rows [query_starts[0], query_starts[R]) written
-//   query         [T, Hq, D] bf16
-//   key_cache     [num_blocks, block_size, Hkv, D] bf16, any strides with the last dim contiguous
-//   value_cache   [num_blocks, block_size, Hkv, Dv] bf16, the same
-//   block_tables  [>= R, >= blocks of the longest] int32: row r is request r's blocks
-//   seq_lens      int[R]: request r's length after this step; its new tokens are its last ones
-//   query_starts  int[R + 1]: request r's new tokens are rows [query_starts[r], query_starts[r + 1])
+// The AMX path of paged_prefill_attention (cpu_prefill_attention.cpp has the op, its contract
+// and its checks) for a bfloat16 cache on CPUs with AMX-BF16: each prefill request's new tokens
+// attend causally to its whole sequence, read straight out of the paged cache.
 //
 // Why: torch's flash SDPA ran the default model's 512-token causal prefill at ~140 GFLOP/s on a
 // 1-core Xeon (a quarter of a 4 x 512 prefill step), where the AMX tiles do 1024 FLOP a cycle.
@@ -33,7 +22,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -41,13 +29,13 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_attention_amx.h"
 #include "cpu_attention_amx_tiles.h"
 #include "cpu_fast_exp.h"
 
 namespace {
 
 using at::Tensor;
-constexpr const char* kOp = "kvsentry::paged_prefill_attention";
 
 #if defined(__AVX512F__)
 using kvsentry_amx::kPairs;
@@ -58,15 +46,6 @@ struct Args : kvsentry_amx::PagedTensors {
   const int64_t* lens;
   const int64_t* starts;
 };
-
-// exp for the softmax: kvsentry_math::fast_exp_ps, with keys below e^-87 (masked ones: -inf)
-// weighing exactly 0. Clamped first: a denormal result, even one blended away, costs a
-// microcode assist per vector (the kernel ran 40% slower with masked keys reaching it).
-__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-87.0f);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ), kvsentry_math::fast_exp_ps(_mm512_max_ps(floor, x)),
-                              _mm512_setzero_ps());
-}
 
 // O^T [64 dims from d0, 16 tokens] = V^T [dims, keys] . P^T pairs over `blocks` blocks of 32 keys;
 // stored to os [v_dim][16] float32 from row d0. `tiles` (1-4) 16-dim tiles.
@@ -193,8 +172,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
         __m512 total = _mm512_setzero_ps();
         for (int64_t key = 0; key < live32; key += 2) {
           __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-          if (key < live) even = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&sc[key * kTile]), best));
-          if (key + 1 < live) odd = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&sc[(key + 1) * kTile]), best));
+          if (key < live) even = kvsentry_math::softmax_exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&sc[key * kTile]), best));
+          if (key + 1 < live) odd = kvsentry_math::softmax_exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&sc[(key + 1) * kTile]), best));
           total = _mm512_add_ps(total, _mm512_add_ps(even, odd));
           const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
           _mm512_storeu_si512(&pt[key * kTile], _mm512_permutexvar_epi16(pairs, both));
@@ -219,60 +198,23 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
 }
 #endif
 
-void check(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-           const Tensor& block_tables, at::IntArrayRef seq_lens, at::IntArrayRef query_starts) {
-  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, kOp,
-              ": expects out/query [T, H, D] and caches [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              kOp, ": last dims must be contiguous");
-  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == value_cache.size(3),
-              kOp, ": out must be [T, Hq, Dv]");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, kOp, ": query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, kOp, ": block_tables must be int32 2-D");
-  const int64_t num_reqs = static_cast<int64_t>(seq_lens.size());
-  TORCH_CHECK(static_cast<int64_t>(query_starts.size()) == num_reqs + 1 && block_tables.size(0) >= num_reqs, kOp,
-              ": query_starts must be [R + 1] and block_tables have R rows");
-  TORCH_CHECK(kvsentry_amx::tile_shapes_fit(query, key_cache, value_cache), kOp,
-              ": needs AMX-BF16, bf16 tensors, head_dim a multiple of 32 up to 128, v_dim a multiple of 32 and "
-              "blocks of a multiple of 16 tokens (paged_prefill_attention_fits says so beforehand)");
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t num_new = query_starts[r + 1] - query_starts[r];
-    TORCH_CHECK(0 <= query_starts[r] && num_new >= 0 && query_starts[r + 1] <= query.size(0), kOp,
-                ": query_starts must be ascending within the query's rows");
-    TORCH_CHECK(num_new <= seq_lens[r], kOp, ": a request has more new tokens than its length");
-    const int64_t blocks = (seq_lens[r] + key_cache.size(1) - 1) / key_cache.size(1);
-    TORCH_CHECK(blocks <= block_tables.size(1), kOp, ": a request's length is past its block table's width");
-  }
-}
+}  // namespace
 
-void paged_prefill_attention_cpu(Tensor& out, const Tensor& query, const Tensor& key_cache,
-                                 const Tensor& value_cache, const Tensor& block_tables, at::IntArrayRef seq_lens,
-                                 at::IntArrayRef query_starts, double scale) {
-  check(out, query, key_cache, value_cache, block_tables, seq_lens, query_starts);
+namespace kvsentry_amx {
+
+void prefill_attention_amx(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const std::vector<int64_t>& lens, const std::vector<int64_t>& starts, float scale) {
 #if defined(__AVX512F__)
-  const std::vector<int64_t> lens(seq_lens.begin(), seq_lens.end());
-  const std::vector<int64_t> starts(query_starts.begin(), query_starts.end());
-  const Args a{kvsentry_amx::paged_tensors(out, query, key_cache, value_cache, block_tables, static_cast<float>(scale)),
-               lens.data(), starts.data()};
+  const Args a{paged_tensors(out, query, key_cache, value_cache, block_tables, scale), lens.data(), starts.data()};
   at::parallel_for(0, static_cast<int64_t>(lens.size()) * a.num_kv_heads, 1,
                    [&](int64_t begin, int64_t end) { items(a, begin, end); });
 #endif
 }
 
-bool paged_prefill_attention_fits(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
-  return query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 &&
-         kvsentry_amx::tile_shapes_fit(query, key_cache, value_cache) && key_cache.scalar_type() == at::kBFloat16 &&
+bool prefill_attention_amx_fits(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  return tile_shapes_fit(query, key_cache, value_cache) && key_cache.scalar_type() == at::kBFloat16 &&
          value_cache.scalar_type() == at::kBFloat16;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
-  m.def(
-      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, int[] seq_lens, int[] query_starts, float scale) -> ()");
-  m.def("paged_prefill_attention_fits(Tensor query, Tensor key_cache, Tensor value_cache) -> bool",
-        &paged_prefill_attention_fits);
-}
-
-TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention_cpu); }
+}  // namespace kvsentry_amx

@@ -32,8 +32,8 @@ VARIABLES = (
            "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_DISABLE_QUANT_PANELS", "=1: a GGUF checkpoint's Q4_1/Q8_0 linears run from bf16 or float32 "
            "panels instead of their own blocks (engine/models/cpu_gemm.py)"),
-    EnvVar("KVSENTRY_DISABLE_AMX_PREFILL", "=1: on AMX CPUs, bf16 prefill attention skips the AMX prefill kernel "
-           "(the decode kernel's rows or SDPA instead)"),
+    EnvVar("KVSENTRY_DISABLE_PREFILL_TILES", "=1: prefill attention skips the tiled prefill kernel (AMX or "
+           "AVX-512F tiles; the decode kernel's rows or SDPA instead)"),
     EnvVar("KVSENTRY_DISABLE_HUGE_PAGES", "=1: packed CPU weights and the CPU KV cache on torch's allocator, "
            "not on transparent huge pages (engine/worker/huge_pages.py)"),
     EnvVar("KVSENTRY_DEFAULT_MALLOC", "=1: leave glibc's malloc settings alone (engine/worker/host_memory.py)"),
@@ -69,8 +69,8 @@ def disable_huge_pages() -> bool:
     return _flag("KVSENTRY_DISABLE_HUGE_PAGES")
 
 
-def disable_amx_prefill() -> bool:
-    return _flag("KVSENTRY_DISABLE_AMX_PREFILL")
+def disable_prefill_tiles() -> bool:
+    return _flag("KVSENTRY_DISABLE_PREFILL_TILES")
 
 
 def default_malloc() -> bool:

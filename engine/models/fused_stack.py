@@ -7,7 +7,7 @@ linears -- panels or oneDNN, cpu_gemm.py -- and the same kvsentry kernels), so i
 are the loop's bits (tests/csrc/test_decoder_layers.py).
 
 A step takes the loop instead whenever it needs what the op does not do: prefill chunks for
-SDPA (engine/ops/attention.py: neither prefill_on_amx nor prefill_in_kernel), a non-CPU or
+SDPA (engine/ops/attention.py: neither prefill_in_tiles nor prefill_in_kernel), a non-CPU or
 fixed-shape (CUDA-graph) step, a cache in another dtype, forward hooks on a layer, or
 `--enforce-eager` (every op from Python, as vLLM's flag means on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape
 never build one.
@@ -108,12 +108,12 @@ class FusedLayerStack:
         block_size = k0.shape[1]
         # The prefill rows' arguments: the kernel's rows (a PrefillPlan), or on AMX one table row,
         # length and query start per request.
-        prefill, prefill_tables, amx_lens, amx_starts = None, None, None, None
+        prefill, prefill_tables, tile_lens, tile_starts = None, None, None, None
         if meta.num_reqs > decodes:  # the order of attention.paged_attention's paths
-            if attention.prefill_on_amx(hidden.dtype, self.num_heads, self.head_dim, *ctx.kv_caches[0]):
+            if attention.prefill_in_tiles(hidden.dtype, self.num_heads, self.head_dim, *ctx.kv_caches[0]):
                 prefill_tables = meta.block_tables[decodes:meta.num_reqs]
-                amx_lens = list(meta.seq_lens_cpu[decodes:meta.num_reqs])
-                amx_starts = list(starts[decodes:meta.num_reqs + 1])
+                tile_lens = list(meta.seq_lens_cpu[decodes:meta.num_reqs])
+                tile_starts = list(starts[decodes:meta.num_reqs + 1])
             elif attention.prefill_in_kernel(meta):
                 prefill = meta.prefill_plan(block_size, hidden.device)
                 prefill_tables = prefill.tables
@@ -134,4 +134,4 @@ class FusedLayerStack:
             prefill.reads if prefill is not None else None, prefill.num_read if prefill is not None else 0,
             first, last,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            amx_lens, amx_starts)
+            tile_lens, tile_starts)

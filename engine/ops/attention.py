@@ -227,26 +227,29 @@ PREFILL_SDPA_MIN_TOKENS = 64
 PREFILL_KERNEL_MAX_LEN = 0 if "amx_bf16" in cpu_ops.cpu_flags() else 1024
 
 
-# Prefill chunks of any length run on AMX tiles (csrc/cpu_prefill_attention_amx.cpp) where the
-# CPU and shapes allow, before the rules above (KVSENTRY_DISABLE_AMX_PREFILL=1: never). 1-core
-# Xeon, default model, bf16, 4 x 512-token causal prefill per layer: SDPA ~8.5-9.5 ms, AMX tiles
-# ~3.9 ms; the whole 4 x 512 prefill step 1045 -> ~830 ms (with the bf16 SiLU's inline exp).
-# Short chunks too, whole prefill steps in the fused stack, tiles vs the kernel's rows: 1 x 16
-# tokens 34 vs 35-44 ms, 16 x 8 79 vs 82-87, 8 x 48 132-144 vs 157-185.
-def prefill_on_amx(dtype: torch.dtype, num_heads: int, head_dim: int,
-                   key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
-                   value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
-                   ) -> bool:
-    """Whether a step's prefill chunks run on the AMX prefill kernel: queries of `dtype`,
+# Prefill chunks of any length run on the tiled prefill kernel (csrc/cpu_prefill_attention.cpp)
+# where the CPU and shapes allow, before the rules above (KVSENTRY_DISABLE_PREFILL_TILES=1:
+# never): AMX tiles for a bf16 cache on AMX CPUs, AVX-512F vector tiles for float32 and bf16
+# elsewhere. AMX: 1-core Xeon, default model, bf16, 4 x 512-token causal prefill per layer: SDPA
+# ~8.5-9.5 ms, AMX tiles ~3.9 ms; the whole 4 x 512 prefill step 1045 -> ~830 ms. Short chunks
+# too, whole prefill steps in the fused stack, tiles vs the kernel's rows: 1 x 16 tokens 34 vs
+# 35-44 ms, 16 x 8 79 vs 82-87, 8 x 48 132-144 vs 157-185. Vector tiles: 1-core Xeon without AMX,
+# default model, per layer, tiles vs the kernel's rows: float32 4 x 512 14.3 vs 36.4 ms, 16 x 128
+# 5.0 vs 9.8, 1 x 2048 53 vs 168; bf16 alike.
+def prefill_in_tiles(dtype: torch.dtype, num_heads: int, head_dim: int,
+                     key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
+                     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
+                     ) -> bool:
+    """Whether a step's prefill chunks run on the tiled prefill kernel: queries of `dtype`,
     [T, num_heads, head_dim], over these caches (the loop and the fused stack both ask)."""
-    return (key_cache.device.type == "cpu" and not envs.disable_amx_prefill() and cpu_ops.available()
-            and _amx_prefill_fits(dtype, num_heads, head_dim, key_cache.dtype, tuple(key_cache.shape[1:]),
-                                  value_cache.dtype, value_cache.shape[-1]))
+    return (key_cache.device.type == "cpu" and not envs.disable_prefill_tiles() and cpu_ops.available()
+            and _tiles_fit(dtype, num_heads, head_dim, key_cache.dtype, tuple(key_cache.shape[1:]),
+                           value_cache.dtype, value_cache.shape[-1]))
 
 
 @functools.cache
-def _amx_prefill_fits(dtype: torch.dtype, num_heads: int, head_dim: int, k_dtype: torch.dtype,
-                      k_shape: tuple[int, ...], v_dtype: torch.dtype, v_dim: int) -> bool:
+def _tiles_fit(dtype: torch.dtype, num_heads: int, head_dim: int, k_dtype: torch.dtype,
+               k_shape: tuple[int, ...], v_dtype: torch.dtype, v_dim: int) -> bool:
     """The kernel's own answer for these shapes, asked once (it reads only sizes and dtypes)."""
     return cpu_ops.paged_prefill_attention_fits(torch.empty(0, num_heads, head_dim, dtype=dtype),
                                                 torch.empty(0, *k_shape, dtype=k_dtype),
@@ -301,7 +304,7 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
             out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
                                                        meta.block_tables[:decodes], meta.seq_lens[:decodes],
                                                        plan, scale)
-    if meta.num_reqs > decodes and use_kernel and prefill_on_amx(query.dtype, num_heads, query.shape[2],
+    if meta.num_reqs > decodes and use_kernel and prefill_in_tiles(query.dtype, num_heads, query.shape[2],
                                                                  key_cache, value_cache):
         cpu_ops.paged_prefill_attention(out, query, key_cache, value_cache, meta.block_tables[decodes:meta.num_reqs],
                                         list(lens[decodes:meta.num_reqs]), list(starts[decodes:meta.num_reqs + 1]),

@@ -1,5 +1,5 @@
-"""The CPU kernels of csrc/ (paged attention, one query token per row: decode, and
-prefill as one row per token), JIT-built on first use.
+"""The CPU kernels of csrc/ (paged attention: decode rows, prefill rows or tiles;
+the fused layer stack, GEMMs), JIT-built on first use.
 
 They live in the same library as the CUDA KV writers (engine.ops.cuda_ops builds it:
 the CPU-only flavour here, the CUDA one on a machine with a GPU, which carries
@@ -80,8 +80,10 @@ def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
 
 
 def paged_prefill_attention_fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether csrc/cpu_prefill_attention_amx.cpp takes these tensors (AMX-BF16, bf16, head_dim a
-    multiple of 32 up to 128, v_dim a multiple of 32, blocks of a multiple of 16 tokens)."""
+    """Whether csrc/cpu_prefill_attention.cpp takes these tensors: its AVX-512F tiles (float32 or
+    bf16, head_dim and v_dim multiples of 16, at most 16 query heads per KV head) or the AMX ones
+    (AMX-BF16, bf16, head_dim a multiple of 32 up to 128, v_dim a multiple of 32, blocks of a
+    multiple of 16 tokens)."""
     return torch.ops.kvsentry.paged_prefill_attention_fits(query, key_cache, value_cache)
 
 
@@ -93,7 +95,7 @@ def paged_prefill_attention(out: torch.Tensor,           # [T, Hq, Dv], rows of 
                             seq_lens: list[int],         # [R] each request's length after the step
                             query_starts: list[int],     # [R + 1] each request's rows of query/out
                             scale: float) -> None:
-    """Each request's new tokens causally over its whole cached sequence, on AMX tiles."""
+    """Each request's new tokens causally over its whole cached sequence, on AMX or AVX-512F tiles."""
     torch.ops.kvsentry.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                query_starts, scale)
 

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # The sources: the checkout's csrc/, or KVSENTRY_CSRC_DIR (an image builds from its copy).
 CSRC = envs.csrc_dir()
 HOST_SOURCES = ("torch_bindings.cpp", "cache_kernels_host.cpp", "cpu_attention.cpp", "cpu_attention_amx.cpp",
-                "cpu_prefill_attention_amx.cpp", "cpu_checksum.cpp", "cpu_nonfinite.cpp", "cpu_fused_ops.cpp",
+                "cpu_prefill_attention.cpp", "cpu_prefill_attention_amx.cpp", "cpu_checksum.cpp", "cpu_nonfinite.cpp",
+                "cpu_fused_ops.cpp",
                 "cpu_decoder_layers.cpp", "cpu_bf16_gemm.cpp", "cpu_f32_gemm.cpp", "cpu_argmax.cpp",
                 "cpu_quant_panels.cpp")
 CUDA_SOURCES = HOST_SOURCES + ("cache_kernels.cu",)

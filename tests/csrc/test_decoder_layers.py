@@ -76,13 +76,14 @@ def mixed_plan(vocab: int) -> list:
 def assert_fused_equals_loop(path, dtype, monkeypatch) -> EngineCore:
     """Runs mixed_plan through a fused and an enforce_eager engine: every step's hidden states,
     the cache and the outputs must be bitwise equal. Prompt "d"'s chunk takes the loop (SDPA),
-    unless the AMX prefill kernel takes its shapes (bf16 on AMX CPUs): then it stays in the op.
+    unless a tiled prefill kernel takes its shapes (attention.prefill_in_tiles): then it stays in
+    the op.
     Returns the fused engine."""
     monkeypatch.setattr(attention, "PREFILL_KERNEL_MAX_LEN", 0)  # prompt "d": not the kernel's rows
     fused, eager = engines(path, dtype)
     model = fused.config.model
     k, v = fused.runner.kv_caches[0]
-    loop_steps = 0 if attention.prefill_on_amx(dtype, model.num_heads, model.head_dim, k, v) else 1
+    loop_steps = 0 if attention.prefill_in_tiles(dtype, model.num_heads, model.head_dim, k, v) else 1
     calls = []
     real = cpu_ops.dense_decoder_layers
     monkeypatch.setattr(cpu_ops, "dense_decoder_layers", lambda *a: (calls.append(1), real(*a))[1])
@@ -109,19 +110,20 @@ def test_fused_stack_equals_the_layer_loop(kvsentry_ops, checkpoint, preset, dty
     assert_fused_equals_loop(checkpoint(preset, num_hidden_layers=3), dtype, monkeypatch)
 
 
-def test_amx_prefill_chunks_stay_in_the_op(kvsentry_ops, checkpoint, monkeypatch):
-    """On AMX CPUs a bf16 chunk past the kernel's rows runs on the AMX prefill kernel inside the
-    op (no step takes the loop), with the loop's bits: head_dim 32, a shape the tiles take."""
-    if not kvsentry_ops.cpu_attention_amx(True):
-        pytest.skip("no AMX-BF16 here: such chunks go through SDPA, in the loop")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_tiled_prefill_chunks_stay_in_the_op(kvsentry_ops, checkpoint, dtype, monkeypatch):
+    """A chunk past the kernel's rows runs on the tiled prefill kernel (AMX for bf16 on AMX CPUs,
+    AVX-512F vectors otherwise) inside the op (no step takes the loop), with the loop's bits:
+    head_dim 32, a shape both kernels take."""
+    empty = torch.empty(1, 16, 2, 32, dtype=dtype)
+    if not attention.prefill_in_tiles(dtype, 4, 32, empty, empty):
+        pytest.skip("no tiled prefill kernel here: such chunks go through SDPA, in the loop")
     path = checkpoint("tiny-llama", num_hidden_layers=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     calls = []
     real = cpu_ops.paged_prefill_attention
     monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
-    assert attention.prefill_on_amx(torch.bfloat16, 4, 32, torch.empty(1, 16, 2, 32, dtype=torch.bfloat16),
-                                    torch.empty(1, 16, 2, 32, dtype=torch.bfloat16))
-    assert_fused_equals_loop(path, torch.bfloat16, monkeypatch)
-    assert calls, "the loop (enforce_eager) never ran the AMX prefill kernel"
+    assert_fused_equals_loop(path, dtype, monkeypatch)
+    assert calls, "the loop (enforce_eager) never ran the tiled prefill kernel"
 
 
 def test_both_weight_copies_pick_by_step_size_as_the_loop_does(kvsentry_ops, checkpoint, monkeypatch):
