@@ -112,6 +112,32 @@ inline void value_dims(const float* vf, int64_t v_dim, int64_t d0, const float* 
   for (int j = 0; j < 16; ++j) _mm512_storeu_ps(os + (d0 + j) * kLanes, acc[j]);
 }
 
+// Q^T [dim][lanes] float32 from the lanes' query rows (element offsets `row` from q0); lanes
+// outside `used` zero. bf16: one 32-bit gather per pair of dims, split into the two rows.
+inline void load_queries(const float* q0, __m512i row, __mmask16 used, int64_t dim, float* qt) {
+  for (int64_t d = 0; d < dim; ++d) {
+    _mm512_storeu_ps(qt + d * kLanes, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used, row, q0 + d, 4));
+  }
+}
+
+inline void load_queries(const c10::BFloat16* q0, __m512i row, __mmask16 used, int64_t dim, float* qt) {
+  for (int64_t d = 0; d < dim; d += 2) {
+    const __m512i both = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), used, row, q0 + d, 2);
+    _mm512_storeu_si512(qt + d * kLanes, _mm512_slli_epi32(both, 16));
+    _mm512_storeu_si512(qt + (d + 1) * kLanes, _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// 16 float32 results into an output row: as they are, or rounded to bf16 as c10::BFloat16
+// rounds (nearest even; NaN -> 0x7FC0).
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+
+inline void store16(c10::BFloat16* dst, __m512 v) {
+  __m512i bits = _mm512_castps_si512(kvsentry_quant::round_to_bf16(v));
+  bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x7FC00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
 template <typename scalar_t>
 void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -121,6 +147,7 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
   std::vector<float> os(static_cast<size_t>(a.v_dim * kLanes));     // [Dv][lanes]
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t r = item / a.num_kv_heads, h = item % a.num_kv_heads;
     const int64_t len = a.lens[r], first = a.starts[r], num_new = a.starts[r + 1] - first;
@@ -138,14 +165,15 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
       const int64_t live = ctx + t0 + n;  // keys any lane sees
       // A lane's position; lanes past the tile's tokens see only key 0 (nothing overflows) and
       // are never stored. Q^T: lane l is token t0 + l / G of head h G + l % G.
-      alignas(64) int32_t position[kLanes];
+      alignas(64) int32_t position[kLanes], row[kLanes];  // row: the lane's query row, in elements
       for (int64_t l = 0; l < kLanes; ++l) {
         const int64_t t = l / group;
-        const bool used = t < n;
-        position[l] = used ? static_cast<int32_t>(ctx + t0 + t) : 0;
-        const scalar_t* qrow = a.q + (first + t0 + t) * a.qs0 + (h * group + l % group) * a.qs1;
-        for (int64_t d = 0; d < a.head_dim; ++d) qt[d * kLanes + l] = used ? static_cast<float>(qrow[d]) : 0.0f;
+        position[l] = t < n ? static_cast<int32_t>(ctx + t0 + t) : 0;
+        row[l] = t < n ? static_cast<int32_t>(t * a.qs0 + (l % group) * a.qs1) : 0;
       }
+      const __mmask16 used = static_cast<__mmask16>((1u << (n * group)) - 1);
+      load_queries(a.q + (first + t0) * a.qs0 + h * group * a.qs1, _mm512_load_si512(row), used, a.head_dim,
+                   qt.data());
       const __m512i seen = _mm512_load_si512(position);
       const int64_t live_rows = (live + kKeys - 1) / kKeys * kKeys;
       for (int64_t k0 = 0; k0 < live_rows; k0 += kKeys) {
@@ -175,9 +203,12 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
       for (int64_t d0 = 0; d0 < a.v_dim; d0 += 16) value_dims(vf.data(), a.v_dim, d0, sc.data(), live, os.data());
       alignas(64) float inv[kLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+      const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kLanes), lane);  // os [dim][lane]: a lane's dims
       for (int64_t l = 0; l < n * group; ++l) {
         scalar_t* orow = a.o + (first + t0 + l / group) * a.os0 + (h * group + l % group) * a.os1;
-        for (int64_t d = 0; d < a.v_dim; ++d) orow[d] = static_cast<scalar_t>(os[d * kLanes + l] * inv[l]);
+        for (int64_t d = 0; d < a.v_dim; d += 16) {
+          store16(orow + d, _mm512_mul_ps(_mm512_i32gather_ps(column, &os[d * kLanes + l], 4), _mm512_set1_ps(inv[l])));
+        }
       }
     }
   }
