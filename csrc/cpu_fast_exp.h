@@ -61,6 +61,25 @@ __attribute__((target("avx512f"))) inline __m512 softmax_exp_ps(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ), fast_exp_ps(_mm512_max_ps(floor, x)),
                               _mm512_setzero_ps());
 }
+
+// The prefill kernels' scores, one 16-lane vector a key (lanes: the queries): each of keys
+// [0, live) scaled and masked causally in place (key k reaches lane l only if k <= seen[l]: -inf
+// otherwise); returns each lane's maximum, NaN where any of its scores is NaN (as torch's max).
+__attribute__((target("avx512f"))) inline __m512 scale_mask_max(float* sc, int64_t live, __m512i seen, float scale) {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  const __m512 factor = _mm512_set1_ps(scale);
+  __m512 best = neg_inf;
+  __mmask16 nan = 0;
+  for (int64_t key = 0; key < live; ++key) {
+    float* s = sc + key * 16;
+    const __mmask16 allowed = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), seen);
+    const __m512 v = _mm512_mask_blend_ps(allowed, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s), factor));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+    _mm512_storeu_ps(s, v);
+  }
+  return _mm512_mask_blend_ps(nan, best, _mm512_set1_ps(__builtin_nanf("")));
+}
 #endif
 
 }  // namespace kvsentry_math

@@ -145,8 +145,6 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
   std::vector<float> kf, vf, sc;
   std::vector<float> qt(static_cast<size_t>(a.head_dim * kLanes));  // [D][lanes]
   std::vector<float> os(static_cast<size_t>(a.v_dim * kLanes));     // [Dv][lanes]
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t r = item / a.num_kv_heads, h = item % a.num_kv_heads;
@@ -179,18 +177,8 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
       for (int64_t k0 = 0; k0 < live_rows; k0 += kKeys) {
         score_keys(kf.data() + k0 * a.head_dim, a.head_dim, qt.data(), sc.data() + k0 * kLanes);
       }
-      // Scaled, causally masked, the running maximum per lane (NaN wins, as in torch's max).
-      __m512 best = neg_inf;
-      __mmask16 nan = 0;
-      for (int64_t key = 0; key < live; ++key) {
-        float* s = &sc[key * kLanes];
-        const __mmask16 allowed = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), seen);
-        const __m512 v = _mm512_mask_blend_ps(allowed, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s), scale));
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        best = _mm512_max_ps(best, v);
-        _mm512_storeu_ps(s, v);
-      }
-      best = _mm512_mask_blend_ps(nan, best, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+      // Scaled, causally masked, each lane's maximum.
+      const __m512 best = kvsentry_math::scale_mask_max(sc.data(), live, seen, a.scale);
       // The sum divides the output instead of the probabilities (for bf16 the same rounding, relative).
       __m512 total = _mm512_setzero_ps();
       for (int64_t key = 0; key < live; ++key) {

@@ -92,8 +92,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
   // Every tile 16 rows of 64 bytes. Scores: C 0 and 6, K 1 and 7, Q^T 2-5; values: C 0-3, P^T 4, V^T 5-7.
   const kvsentry_amx::TileConfig config({kTile, kTile, kPairs, kPairs, kPairs, kPairs, kPairs, kPairs});
   _tile_loadconfig(&config);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // cvtne2ps_pbh(odd, even) puts the even key's 16 tokens below the odd key's; VNNI wants them paired.
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -155,18 +153,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void it
           kvsentry_amx::score_tiles(key_rows(t), two ? key_rows(t + 1) : nullptr, a.ks1 * 2, blocks,
                                     &sc[t * kTile * kTile], &sc[(t + 1) * kTile * kTile]);
         }
-        // Scaled, causally masked, the running maximum per token (NaN wins, as in torch's max).
-        __m512 best = neg_inf;
-        __mmask16 nan = 0;
-        for (int64_t key = 0; key < live; ++key) {
-          float* s = &sc[key * kTile];
-          const __mmask16 allowed = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), seen);
-          const __m512 v = _mm512_mask_blend_ps(allowed, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s), scale));
-          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          best = _mm512_max_ps(best, v);
-          _mm512_storeu_ps(s, v);
-        }
-        best = _mm512_mask_blend_ps(nan, best, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+        // Scaled, causally masked, each lane's maximum.
+        const __m512 best = kvsentry_math::scale_mask_max(sc.data(), live, seen, a.scale);
         // exp(s - max) rounded to bf16 and interleaved into VNNI key pairs in one pass; the sum
         // divides the output instead of the probabilities (the same bf16 rounding, relative).
         __m512 total = _mm512_setzero_ps();
