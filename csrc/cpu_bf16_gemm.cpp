@@ -147,14 +147,6 @@ using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, cons
                         int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// float32 lanes to bf16, to nearest even, NaN to torch's quiet NaN (0x7FC0): c10::BFloat16's
-// rounding, without AVX512-BF16's vcvtneps2bf16 (which also flushes denormals).
-__attribute__((target("avx512f"), always_inline)) inline __m256i to_bf16(__m512 v) {
-  __m512i up = _mm512_srli_epi32(_mm512_castps_si512(kvsentry_quant::round_to_bf16(v)), 16);
-  up = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(up);
-}
-
 // tile<R>'s loop on CPUs with AVX-512F alone ("avx512f"), x widened to float32 beforehand
 // (row stride xs floats): each 32-bit pair of the panel split into its two float32 values (a
 // bf16 is a float's top half), the even K's then the odd K's fused multiply-added by x's
@@ -184,7 +176,7 @@ __attribute__((target("avx512f"))) void tile_widen(const float* x, int64_t xs, c
     __m512 b;
     if (!output_chunk(j, width, bias, mask, b)) break;
     for (int r = 0; r < R; ++r) {
-      _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, to_bf16(_mm512_add_ps(acc[r][j], b)));
+      _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, kvsentry_quant::to_bf16(_mm512_add_ps(acc[r][j], b)));
     }
   }
 }

@@ -133,9 +133,7 @@ inline void load_queries(const c10::BFloat16* q0, __m512i row, __mmask16 used, i
 inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
 
 inline void store16(c10::BFloat16* dst, __m512 v) {
-  __m512i bits = _mm512_castps_si512(kvsentry_quant::round_to_bf16(v));
-  bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x7FC00000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), kvsentry_quant::to_bf16(v));
 }
 
 template <typename scalar_t>
@@ -145,7 +143,9 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
   std::vector<float> kf, vf, sc;
   std::vector<float> qt(static_cast<size_t>(a.head_dim * kLanes));  // [D][lanes]
   std::vector<float> os(static_cast<size_t>(a.v_dim * kLanes));     // [Dv][lanes]
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // os [dim][lane]: a lane's dims lie kLanes apart.
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kLanes),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int64_t item = begin; item < end; ++item) {
     const int64_t r = item / a.num_kv_heads, h = item % a.num_kv_heads;
     const int64_t len = a.lens[r], first = a.starts[r], num_new = a.starts[r + 1] - first;
@@ -191,7 +191,6 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
       for (int64_t d0 = 0; d0 < a.v_dim; d0 += 16) value_dims(vf.data(), a.v_dim, d0, sc.data(), live, os.data());
       alignas(64) float inv[kLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-      const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kLanes), lane);  // os [dim][lane]: a lane's dims
       for (int64_t l = 0; l < n * group; ++l) {
         scalar_t* orow = a.o + (first + t0 + l / group) * a.os0 + (h * group + l % group) * a.os1;
         for (int64_t d = 0; d < a.v_dim; d += 16) {

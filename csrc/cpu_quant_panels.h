@@ -133,12 +133,21 @@ __attribute__((target("avx512f,avx512bf16"))) inline void dequant_bf16(const Pan
 // float32 lanes rounded to the nearest bf16, ties to even, as torch's cast rounds them, and kept
 // as float32 (the low 16 bits zero). For finite values (a NaN's payload may carry into the sign):
 // a block's d * q + m always is (a NaN or infinite scale makes quant_panels' pack-time check
-// refuse the blocks); cpu_bf16_gemm.cpp's to_bf16 fixes NaN up itself.
+// refuse the blocks); to_bf16 below fixes NaN up.
 __attribute__((target("avx512f"), always_inline)) inline __m512 round_to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// float32 lanes to bf16, to nearest even, NaN to torch's quiet NaN (0x7FC0): c10::BFloat16's
+// rounding, without AVX512-BF16's vcvtneps2bf16 (which also flushes denormals). The bf16 GEMM's
+// and the prefill tiles' outputs.
+__attribute__((target("avx512f"), always_inline)) inline __m256i to_bf16(__m512 v) {
+  __m512i up = _mm512_srli_epi32(_mm512_castps_si512(round_to_bf16(v)), 16);
+  up = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(up);
 }
 
 // Blocks [b0, b1) of panel `p` into the float32 GEMM's panel layout (32 K x 64 float32 a block,
