@@ -83,7 +83,10 @@ ENGINE_ARGS = (
     EngineArg("nan_sentinel", "what the KV cache scan covers each step", group="NaN sentinel",
               choices=NAN_SENTINEL_MODES),
     EngineArg("nan_scan_budget", "rolling mode: share of wall time the sweep may spend scanning (0: a fixed "
-              "--nan-scan-blocks-per-step window every step); the null block is scanned every step besides",
+              "--nan-scan-blocks-per-step window every step); the null block is scanned besides",
+              group="NaN sentinel"),
+    EngineArg("nan_scan_null_every", "rolling and null-block modes: the null block is scanned every N steps, and "
+              "in any step whose KV writer wrote into it (0: auto, 4 on CPU and 1 on CUDA)",
               group="NaN sentinel"),
     EngineArg("nan_scan_blocks_per_step", "blocks the rolling scan checks per step (the most, under a budget)",
               group="NaN sentinel"),

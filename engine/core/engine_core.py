@@ -35,7 +35,7 @@ class EngineCore:
             host_memory.keep_freed_memory()  # activations reuse heap pages instead of faulting them in
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config)
-        self.sentinel = NaNSentinel(config, self.runner.kv_storage)
+        self.sentinel = NaNSentinel(config, self.runner.kv_storage, self.runner.null_block_writes)
         self.checksums = BlockChecksums(config, self.runner.kv_storage)
         self.checksum_mismatches = {"prefix_cache": 0, "running": 0}
         self._sealing: list[int] = []  # blocks this step filled, sealed once the step is done

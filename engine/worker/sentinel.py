@@ -1,14 +1,24 @@
 """The NaN sentinel: finds non-finite values in a rank's KV cache.
 
-Every step it checks the null block (block 0) of every layer -- small, and it
-must stay zero -- plus, in rolling mode, the next blocks of a sweep over the
-whole pool (and, with `nan_scan_written_blocks`, the blocks the step wrote), so
-every block is seen at least once every `coverage_steps` steps. The sweep's
-window is what `nan_scan_budget` (a share of wall time) pays for, up to
-`nan_scan_blocks_per_step` blocks; with a budget of 0, exactly that many.
-`full` scans every block every step. Scans are tensor reductions on the cache's own device,
-reduced to one count per (layer, block); Python only sees the few blocks that
-are poisoned.
+It checks the null block (block 0) of every layer -- small, and it must stay zero -- every
+`nan_scan_null_every` steps, plus, in rolling mode, the next blocks of a sweep over the whole
+pool every step (and, with `nan_scan_written_blocks`, the blocks the step wrote), so every
+block is seen at least once every `coverage_steps` steps. The sweep's window is what
+`nan_scan_budget` (a share of wall time) pays for, up to `nan_scan_blocks_per_step` blocks;
+with a budget of 0, exactly that many. `full` scans every block every step. Scans are tensor
+reductions on the cache's own device, reduced to one count per (layer, block); Python only
+sees the few blocks that are poisoned.
+
+Why the null block is not scanned every step on CPU (every 4th by default; every step on
+CUDA, where it is one launch): after a forward pass has streamed the weights through the
+caches, the scan call and the null block are both cold -- ~50 us for the call (dispatch, code
+and data structures out of cache) plus ~50 us for the block (~180 runs of 2 KB, megabytes
+apart, a miss and a page walk each), 0.1 ms whatever the batch, 0.7% of a batch-1 bf16 step of
+the default model on a Zen 4 core. A scan of part of the layers each step would still pay the
+call every step. The KV writer is the one path that writes the cache, and it counts its writes
+into block 0 (the counter lives on the host on CPU: reading it is free), so a step whose writer
+wrote there has the null block scanned that same step; the periodic scan is the backstop for
+anything else (a stray kernel), found within `nan_scan_null_every` steps.
 """
 from __future__ import annotations
 
@@ -28,7 +38,8 @@ from engine.worker.sweep import RollingSweep, ScanBudget
 
 
 class NaNSentinel:
-    def __init__(self, config: EngineConfig, storage: torch.Tensor):
+    def __init__(self, config: EngineConfig, storage: torch.Tensor,
+                 null_block_writes: torch.Tensor | None = None):  # [1] int64, the KV writer's counter
         self.mode = config.nan_sentinel
         self.is_mla = config.model.is_mla
         self.axis = block_axis(config)
@@ -42,11 +53,18 @@ class NaNSentinel:
         budget = ScanBudget(config.nan_scan_budget, config.nan_scan_blocks_per_step) if config.nan_scan_budget > 0 else None
         self.sweep = RollingSweep(self.num_blocks, config.nan_scan_blocks_per_step, budget)
         self.scan_written = config.nan_scan_written_blocks
+        self.null_every = config.nan_scan_null_every or (1 if storage.device.type == "cuda" else 4)
+        self._null_phase = 0  # steps since the null block's last scan
+        # Read only where it lives on the host: on CUDA it would cost a sync a step.
+        self.null_block_writes = null_block_writes if (null_block_writes is not None
+                                                        and null_block_writes.device.type == "cpu") else None
+        self._null_writes_seen = 0
         # Non-finite values per (layer, block) as of the last time the block was scanned.
         self.counts = torch.zeros(self.num_layers, self.num_blocks, dtype=torch.int64)
         # The kernel's outputs, one per group of _targets, reused: [blocks, num_layers] int64 each.
         self._outs: list[torch.Tensor] = []
         self._window = 0  # blocks in this step's sweep window
+        self._window_group = -1  # its index in this step's groups (-1: none)
         self.any_counted = False
         self.detections = {"null_block": 0, "allocated": 0}
         self.scan_seconds: list[float] = []
@@ -66,7 +84,28 @@ class NaNSentinel:
     @property
     def coverage_steps(self) -> int:
         """Steps within which every block is scanned at least once."""
-        return self.sweep.coverage_steps(self.mode)
+        steps = self.sweep.coverage_steps(self.mode)
+        return max(steps, self.null_block_steps) if steps else 0
+
+    @property
+    def null_block_steps(self) -> int:
+        """Steps within which the null block is scanned at least once (0: never)."""
+        if self.mode == "full":
+            return 1
+        return self.null_every if self.enabled else 0
+
+    def _null_block_due(self) -> bool:
+        """Whether this step scans the null block: every null_every-th step, and any step after
+        the KV writer counted a write into it."""
+        written = False
+        if self.null_block_writes is not None:
+            writes = int(self.null_block_writes)
+            written, self._null_writes_seen = writes != self._null_writes_seen, writes
+        self._null_phase += 1
+        if written or self._null_phase >= self.null_every:
+            self._null_phase = 0
+            return True
+        return False
 
     def _scan(self, ids: list[int]) -> torch.Tensor | None:
         """[num_layers, len(ids)] non-finite counts, or None when all clean.
@@ -83,16 +122,18 @@ class NaNSentinel:
         return (~torch.isfinite(blocks)).sum(dim=inner).t().cpu()
 
     def _targets(self, written_slots: torch.Tensor | None, block_size: int, now: float) -> list[list[int]]:
-        """This step's groups of block ids: the null block, the sweep window (self._window
-        blocks, the second group when any), written blocks."""
+        """This step's groups of block ids: the null block when due, the sweep window
+        (self._window blocks, group self._window_group when any), written blocks."""
         self._window = 0
+        self._window_group = -1
         if self.mode == "full":
             return [list(range(self.num_blocks))]
-        groups = [[NULL_BLOCK_ID]]
+        groups = [[NULL_BLOCK_ID]] if self._null_block_due() else []
         if self.mode == "rolling":
             window = self.sweep.next_window(now)
             self._window = len(window)
             if window:
+                self._window_group = len(groups)
                 groups.append(list(window))
             if self.scan_written and written_slots is not None and written_slots.numel():
                 seen = {b for g in groups for b in g}
@@ -103,12 +144,12 @@ class NaNSentinel:
 
     def _each_group(self, groups: list[list[int]], scan) -> tuple[list, float | None]:
         """scan(i, group) for each group; returns the results and the sweep window's own scan
-        time (the second group's, None without a window) for the time budget."""
+        time (None without a window) for the time budget."""
         results, window_seconds = [], None
         for i, group in enumerate(groups):
             start = time.perf_counter()
             results.append(scan(i, group))
-            if i == 1 and self._window:
+            if i == self._window_group:
                 window_seconds = time.perf_counter() - start
         return results, window_seconds
 
@@ -136,7 +177,7 @@ class NaNSentinel:
         if self.uses_kernel:  # exact counts in one pass over the raw words: no float copy of the window
             found, window_seconds = self._each_group(groups, self._kernel_counts)
             dirty = self.any_counted or sum(found) > 0
-            if dirty:
+            if dirty and groups:
                 counts = torch.cat([out[:len(g)] for g, out in zip(groups, self._outs)]).t()
         else:  # fast path: one scalar float sum per group (a NaN or Inf anywhere makes it non-finite),
             # read back once for the step: one host sync on a GPU (where the window's time is then
@@ -144,7 +185,7 @@ class NaNSentinel:
             sums, window_seconds = self._each_group(
                 groups, lambda i, group: self._group_blocks(group).sum(dtype=torch.float32))
             dirty = self.any_counted or not math.isfinite(float(sum(sums)))
-        if dirty:
+        if dirty and groups:
             ids = [b for g in groups for b in g]
             if counts is None:
                 results = [self._scan(g) for g in groups]

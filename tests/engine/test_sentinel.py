@@ -173,6 +173,40 @@ def test_fail_policy_trips_and_count_policy_does_not(checkpoint):
     for policy, tripped in (("fail", True), ("count", False)):
         core = make_core(checkpoint("tiny-llama"), nan_policy=policy)
         core.inject_fault(Fault("inf", layer=0, block=0, target="k"))
-        core.run_dummy(1)
+        for _ in range(core.sentinel.null_block_steps):  # a write from outside the KV writer
+            core.run_dummy(1)
         assert core.stats().nan_policy_tripped is tripped
         assert nan_values(core) == {(0, "null_block"): 1}
+
+
+def test_null_block_scanned_every_n_steps_and_whenever_the_writer_wrote_there(checkpoint):
+    """The periodic null-block scan: poison put there from outside the KV writer is found on
+    the N-th step and not before; a dummy batch whose writer wrote into block 0 is caught in
+    that same step whatever the phase."""
+    every = 8
+    core = make_core(checkpoint("tiny-llama"), nan_sentinel="null-block", nan_scan_null_every=every)
+    assert core.sentinel.null_block_steps == every and core.sentinel.coverage_steps == 0
+    core.inject_fault(Fault("nan", layer=1, block=0, target="v"))
+    for step in range(1, every + 1):
+        core.run_dummy(2)
+        assert bool(nan_values(core)) == (step == every), f"step {step}"
+    assert nan_values(core) == {(1, "null_block"): 1}
+    core.sentinel.zero_block(0)
+    for _ in range(every):
+        core.run_dummy(2)
+    assert nan_values(core) == {}
+    core.run_dummy(2)  # phase 1 of 8: not due on its own
+    core.inject_fault(Fault("legacy_dummy"))
+    core.run_dummy(4)
+    assert core.stats().null_block_writes == 4 * core.config.model.num_layers
+    assert {region for _, region in nan_values(core)} == {"null_block"}
+
+
+def test_null_block_period_defaults_by_device_and_rejects_negatives(checkpoint):
+    core = make_core(checkpoint("tiny-llama"))
+    assert core.sentinel.null_block_steps == 4  # auto on CPU
+    assert core.sentinel.coverage_steps == -(-39 // 4)
+    assert make_core(checkpoint("tiny-llama"), nan_sentinel="full").sentinel.null_block_steps == 1
+    assert make_core(checkpoint("tiny-llama"), nan_sentinel="off").sentinel.null_block_steps == 0
+    with pytest.raises(ValueError, match="nan_scan_null_every"):
+        EngineConfig.create(checkpoint("tiny-llama"), nan_scan_null_every=-1)
