@@ -215,11 +215,9 @@ class EngineConfig:
     nan_scan_budget: float = 0.003
     nan_scan_blocks_per_step: int = 16
     nan_scan_written_blocks: bool = False  # rolling mode: also scan every block the step wrote
-    # Rolling and null-block modes: the whole null block (every layer) is scanned every this many
-    # steps, and in any step whose KV writer counted a write into it. On CPU the
-    # scan is cold after a forward (~0.05 ms for the call, ~0.05 ms for ~180 runs of 2 KB megabytes
-    # apart: 0.7% of a batch-1 bf16 step of the default model on a Zen 4 core); on CUDA it is one
-    # launch. 0: auto (4 on CPU, 1 on CUDA).
+    # Rolling and null-block modes: the whole null block is scanned every this many steps, and in
+    # any step whose KV writer counted a write into it (why not every step on CPU: the docstring
+    # of engine/worker/sentinel.py). 0: auto (4 on CPU, 1 on CUDA).
     nan_scan_null_every: int = 0
     nan_policy: str = "count"  # one of NAN_POLICIES
     kv_checksums: str = "rolling"  # one of KV_CHECKSUM_MODES

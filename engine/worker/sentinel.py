@@ -65,7 +65,6 @@ class NaNSentinel:
         # The kernel's outputs, one per group of _targets, reused: [blocks, num_layers] int64 each.
         self._outs: list[torch.Tensor] = []
         self._window = 0  # blocks in this step's sweep window
-        self._window_group = -1  # its index in this step's groups (-1: none)
         self.any_counted = False
         self.detections = {"null_block": 0, "allocated": 0}
         self.scan_seconds: list[float] = []
@@ -123,34 +122,34 @@ class NaNSentinel:
         return (~torch.isfinite(blocks)).sum(dim=inner).t().cpu()
 
     def _targets(self, written_slots: torch.Tensor | None, block_size: int, now: float) -> list[list[int]]:
-        """This step's groups of block ids: the null block when due, the sweep window
-        (self._window blocks, group self._window_group when any), written blocks."""
+        """This step's groups of block ids: the sweep window (self._window blocks, the first
+        group when any), the null block when due, written blocks."""
         self._window = 0
-        self._window_group = -1
         if self.mode == "full":
             return [list(range(self.num_blocks))]
-        groups = [[NULL_BLOCK_ID]] if self._null_block_due() else []
+        groups = []
         if self.mode == "rolling":
             window = self.sweep.next_window(now)
             self._window = len(window)
             if window:
-                self._window_group = len(groups)
                 groups.append(list(window))
-            if self.scan_written and written_slots is not None and written_slots.numel():
-                seen = {b for g in groups for b in g}
-                written = set(blocks_written(written_slots, block_size)) - seen
-                if written:
-                    groups.append(sorted(written))
+        if self._null_block_due():
+            groups.append([NULL_BLOCK_ID])
+        if self.mode == "rolling" and self.scan_written and written_slots is not None and written_slots.numel():
+            seen = {b for g in groups for b in g}
+            written = set(blocks_written(written_slots, block_size)) - seen
+            if written:
+                groups.append(sorted(written))
         return groups
 
     def _each_group(self, groups: list[list[int]], scan) -> tuple[list, float | None]:
         """scan(i, group) for each group; returns the results and the sweep window's own scan
-        time (None without a window) for the time budget."""
+        time (the first group's, None without a window) for the time budget."""
         results, window_seconds = [], None
         for i, group in enumerate(groups):
             start = time.perf_counter()
             results.append(scan(i, group))
-            if i == self._window_group:
+            if i == 0 and self._window:
                 window_seconds = time.perf_counter() - start
         return results, window_seconds
 
