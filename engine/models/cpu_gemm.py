@@ -44,6 +44,17 @@ tile of up to 6 rows dequantizes each block into L1 right before its multiply-ad
 instead of 40.4 ms at 4 rows, 14.9 instead of 39.7 ms at 8 (up to 32 rows, each block once for
 all the row tiles).
 
+On CPUs with AVX512-BF16 but no AMX, a bf16 GGUF linear keeps its dense bf16 panels beside
+the blocks instead of oneDNN's copy (the same bytes): the blocks run steps of up to
+QUANT_ROWS_BESIDE_DENSE rows, where the weight's bytes decide, and the dense panels every larger
+step, where dequantizing each block again costs more than the bytes it saves and where the
+panels are at least as fast as oneDNN. One Zen 4 core, the default model's 30 layers
+(benchmarks/bf16_gemm.py, with and without --quant; dense panels / blocks / oneDNN ms): 1 row
+8.8 / 8.1 / 16.3, 2 rows 9.1 / 8.4 / 17.6, 3 rows 8.8 / 10.6 / 14.5, 8 rows 11.6 / 13.9 / 18.0,
+32 rows 35.1 / 37.7 / 40.6, 128 rows 129 / 137 / 135, 1024 rows 1015 / - / 1024; its Q8_0 LM
+head (49152 x 576) 2.34 / 2.28 ms at 1 row, 3.10 / 3.85 at 8, 17.8 / 18.5 at 64. The two give
+the same bits (the same products of the same values, summed in the same order).
+
 float32 on CPUs with AVX-512: steps of up to F32_PANEL_MAX_ROWS rows go through
 csrc/cpu_f32_gemm.cpp's 64-output panels, oneDNN beyond, both copies kept
 (KVSENTRY_DISABLE_F32_PANELS=1 keeps oneDNN's alone, half the memory). On one Xeon core, the
@@ -74,6 +85,9 @@ F32_PANEL_MAX_ROWS = 64
 # 128, 1.11x at 192, 1.02x at 256. A continuous batch of 64 decodes and a prompt's chunk (and
 # its LM head on 65 rows) lies past 64.
 QUANT_PANEL_MAX_ROWS = {torch.bfloat16: 128, torch.float32: 256}
+# Rows up to which a bf16 GGUF linear runs from its blocks where dense panels serve larger
+# steps (dense_panels_beside_quant; measured above).
+QUANT_ROWS_BESIDE_DENSE = 2
 
 
 # The panel GEMM of each dtype: torch.ops.kvsentry.<name>_pack / <name> / <name>_supported.
@@ -94,9 +108,9 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
     bf16: AMX_PANEL_MAX_ROWS where the panels run on AMX, None (every size, one copy) elsewhere,
     0 where KVSENTRY_DISABLE_AMX_PANELS keeps oneDNN alone. float32: F32_PANEL_MAX_ROWS, or 0
     where KVSENTRY_DISABLE_F32_PANELS keeps oneDNN alone. `quantized` panels (GGUF blocks):
-    QUANT_PANEL_MAX_ROWS in place of either limit, on CPUs without AMX too, so that prefill keeps
-    oneDNN's dense copy there: the vdpbf16ps tiles dequantize a panel again for every 96 rows
-    (not measured on such a CPU; there the dense panels tied oneDNN from 128 rows)."""
+    QUANT_PANEL_MAX_ROWS in place of either limit, so that prefill keeps oneDNN's dense copy;
+    bf16 on CPUs with AVX512-BF16 and no AMX: QUANT_ROWS_BESIDE_DENSE, with dense panels
+    instead of oneDNN beyond (dense_panels_beside_quant)."""
     if dtype == torch.float32:
         dense = 0 if envs.disable_f32_panels() else F32_PANEL_MAX_ROWS
     elif "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
@@ -105,6 +119,8 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
         dense = 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
     if quantized and bf16_float32_fmas(dtype):  # no AMX there: dense is None
         return None  # oneDNN's bf16 here is an emulation: the panels serve every size (see above)
+    if quantized and dense_panels_beside_quant(dtype):
+        return QUANT_ROWS_BESIDE_DENSE  # dense panels beyond, not oneDNN (see above)
     return QUANT_PANEL_MAX_ROWS[dtype] if quantized and dense != 0 else dense
 
 
@@ -116,6 +132,14 @@ def bf16_float32_fmas(dtype: torch.dtype) -> bool:
         return False
     kernels = torch.ops.kvsentry.bf16_gemm_kernels()
     return bool(kernels) and kernels[0] == "avx512f"
+
+
+def dense_panels_beside_quant(dtype: torch.dtype) -> bool:
+    """Whether a GGUF-quantized linear of `dtype` keeps dense panels for steps of more than
+    QUANT_ROWS_BESIDE_DENSE rows, in place of oneDNN's copy: bf16 on CPUs with AVX512-BF16
+    (vdpbf16ps panels) and no AMX (whose oneDNN kernels win at prefill sizes)."""
+    return (dtype == torch.bfloat16 and "amx_bf16" not in cpu_ops.cpu_flags()
+            and "avx512_bf16" in cpu_ops.cpu_flags() and not bf16_float32_fmas(dtype))
 
 
 def onednn_supports(weight: torch.Tensor) -> bool:
@@ -149,7 +173,8 @@ def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor |
 
 class PackedLinear:
     """y = x @ W^T + b with W [out, in] packed once: in panels (panels_supported), for
-    oneDNN, or both (AMX bf16, float32: panels up to `panel_max_rows` rows, oneDNN beyond);
+    oneDNN, or both (AMX bf16, float32: panels up to `panel_max_rows` rows, oneDNN beyond; a
+    bf16 GGUF linear without AMX: its blocks up to `panel_max_rows`, dense panels beyond);
     falls back to a contiguous W^T and addmm/matmul where neither is usable. Where W came
     from a GGUF checkpoint's Q4_1 or Q8_0 blocks (`rows`), the panels are those blocks, which
     the GEMMs dequantize as they go: the same products of the same values, from a third to a
@@ -163,8 +188,13 @@ class PackedLinear:
         # The GGUF blocks as panels, unless no panels run here (switched off: panel_max_rows 0).
         quant = quant_panels(weight, rows) if panels and panel_max_rows(weight.dtype) != 0 else None
         limit = panel_max_rows(weight.dtype, quant is not None) if panels else 0
-        self.onednn = onednn_supports(weight) and limit is not None  # None: the panels serve every size
-        if panels and not self.onednn:
+        # Dense panels for steps past `limit`, beside the GGUF blocks (dense_panels_beside_quant).
+        # bf16: [ceil(out / 64), 16 ceil(in / 32), 64, 2]; or None.
+        self.wide_panels = None
+        if quant is not None and dense_panels_beside_quant(weight.dtype):
+            self.wide_panels = to_huge_pages(torch.ops.kvsentry.bf16_gemm_pack(weight))
+        self.onednn = onednn_supports(weight) and limit is not None and self.wide_panels is None
+        if panels and not self.onednn and self.wide_panels is None:
             limit = None  # no oneDNN copy: the panels run every size
         # Rows up to which a call runs through the panels (None: every size).
         self.panel_max_rows: int | None = limit
@@ -177,7 +207,7 @@ class PackedLinear:
             # On huge pages: a decode step streams every panel from memory (engine/worker/huge_pages.py).
             self.panels = to_huge_pages(packed)
             self._panel_gemm = getattr(torch.ops.kvsentry, name)
-        if self.onednn:
+        if self.onednn:  # (not with wide_panels: they run those steps)
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif self.panels is None:
@@ -187,9 +217,20 @@ class PackedLinear:
         """Whether a call on `rows` rows runs through the panels (else oneDNN or the fallback)."""
         return self.panels is not None and (self.panel_max_rows is None or rows <= self.panel_max_rows)
 
+    @property
+    def large_weight(self) -> torch.Tensor:
+        """What a step of more than `panel_max_rows` rows runs on: the dense panels beside the
+        GGUF blocks, oneDNN's weight, else the panels (or the fallback's W^T)."""
+        if self.wide_panels is not None:
+            return self.wide_panels
+        if self.onednn:
+            return self.weight
+        return self.panels if self.panels is not None else self.weight_t
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.uses_panels(x.numel() // self.in_features):
-            out = self._panel_gemm(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+        panels = self.panels if self.uses_panels(x.numel() // self.in_features) else self.wide_panels
+        if panels is not None:
+            out = self._panel_gemm(x.reshape(-1, self.in_features), panels, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")

@@ -39,15 +39,16 @@ class FusedLayerStack:
         self.scale = first.scale
         self.eps = layers[0].input_layernorm.eps
         self.cos, self.sin = first.rotary.cos, first.rotary.sin
-        # Norms and the linears' weights for steps of more than `panel_rows` tokens (oneDNN's
-        # where there is one, else the panels), and for steps of up to `panel_rows` tokens
-        # (the panels where there are any): PackedLinear.uses_panels' choice, made per step.
+        # Norms and the linears' weights for steps of more than `panel_rows` tokens
+        # (PackedLinear.large_weight: dense panels beside GGUF blocks, oneDNN's, else the
+        # panels), and for steps of up to `panel_rows` tokens (the panels where there are any):
+        # PackedLinear.uses_panels' choice, made per step.
         self.weights: list[torch.Tensor] = []
         self.panel_weights: list[torch.Tensor] = []
         # One limit for all: the least of the linears' (cpu_gemm.panel_max_rows), which each
         # holding both copies may take; None: no linear holds both copies.
         limits = {linear.panel_max_rows for layer in layers for linear in _linears(layer)
-                  if linear.panels is not None and linear.onednn}
+                  if linear.panels is not None and (linear.onednn or linear.wide_panels is not None)}
         self.panel_rows: int | None = min(limits) if limits else None
         self.biases: list[torch.Tensor | None] = []
         self.out_features: list[int] = []
@@ -55,7 +56,7 @@ class FusedLayerStack:
         for layer in layers:
             attn, linears = layer.self_attn, _linears(layer)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            large = [linear.weight if linear.onednn else linear.panels for linear in linears]
+            large = [linear.large_weight for linear in linears]
             small = [linear.panels if linear.panels is not None else linear.weight for linear in linears]
             self.weights += [norms[0], large[0], large[1], norms[1], large[2], large[3]]
             self.panel_weights += [norms[0], small[0], small[1], norms[1], small[2], small[3]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.cpu_gemm import QUANT_PANEL_MAX_ROWS, PackedLinear
+from engine.models.cpu_gemm import QUANT_PANEL_MAX_ROWS, QUANT_ROWS_BESIDE_DENSE, PackedLinear
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -43,8 +43,12 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     linears = _packed(quant)
     assert linears and all(p is not None and p.panels is not None and p.panels.dtype == torch.uint8
                            for p in linears), [None if p is None else p.panels.dtype for p in linears]
-    # Past the plain panels' limit too, where they read fewer bytes than oneDNN's weight.
-    assert {p.panel_max_rows for p in linears} <= {None, QUANT_PANEL_MAX_ROWS[dtype]}
+    # Past the plain panels' limit too, where they read fewer bytes than oneDNN's weight; or
+    # (bf16 without AMX) up to a few rows, dense panels beyond: the prompts here take those.
+    from engine.models.cpu_gemm import dense_panels_beside_quant
+    beside = dense_panels_beside_quant(dtype)
+    assert {p.panel_max_rows for p in linears} <= {None, QUANT_ROWS_BESIDE_DENSE if beside else QUANT_PANEL_MAX_ROWS[dtype]}
+    assert all((p.wide_panels is not None) == beside for p in linears)
     got = quant.generate(prompts, params)
     monkeypatch.setenv("KVSENTRY_DISABLE_QUANT_PANELS", "1")
     plain = LLM(str(path), **args)
@@ -55,31 +59,29 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_quantized_linear_keeps_onednn_past_its_row_limit(monkeypatch, amx):
-    """Quantized bf16 panels serve up to QUANT_PANEL_MAX_ROWS rows and oneDNN's dense copy
-    beyond, on AMX CPUs and (simulated here by hiding the flag) on CPUs without AMX, whose dense
-    panels alone serve every size; the panels' results are the dense panels' bit for bit."""
+def _q4_1_linear(seed: int) -> tuple[torch.Tensor, PackedLinear]:
+    """A 96 x 64 bf16 weight from Q4_1 blocks, and its PackedLinear over those blocks."""
     import numpy as np
 
     from engine.gguf.weights import QuantRows
-    from engine.models import cpu_gemm
-    from engine.ops import cpu_ops
-    if not (_quant_supported(torch.bfloat16) and cpu_gemm.onednn_supports(torch.zeros(64, 32).bfloat16())):
-        pytest.skip("no bf16 quantized panels or no oneDNN bf16 here")
-    if amx and "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
-        pytest.skip("no AMX here")
-    if not amx:
-        flags = cpu_ops.cpu_flags() - {"amx_bf16"}
-        monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
-    # Not the float32-FMA CPUs (AVX-512F alone), whose panels serve every size: the test below.
-    monkeypatch.setattr(cpu_gemm, "bf16_float32_fmas", lambda dtype: False)
-    values = np.random.default_rng(5).standard_normal((96, 64)).astype(np.float32) * 0.2
+    values = np.random.default_rng(seed).standard_normal((96, 64)).astype(np.float32) * 0.2
     raw = np.ascontiguousarray(gguf.quantize(values, Q.Q4_1))
     weight = torch.from_numpy(np.array(gguf.dequantize(raw, Q.Q4_1), dtype=np.float32)).bfloat16()
-    packed = PackedLinear(weight, None, QuantRows(int(Q.Q4_1), 64, torch.from_numpy(raw)))
+    return weight, PackedLinear(weight, None, QuantRows(int(Q.Q4_1), 64, torch.from_numpy(raw)))
+
+
+def test_quantized_linear_keeps_onednn_past_its_row_limit_on_amx():
+    """On AMX CPUs, quantized bf16 panels serve up to QUANT_PANEL_MAX_ROWS rows and oneDNN's
+    dense copy beyond; the panels' results are the dense panels' bit for bit."""
+    from engine.models import cpu_gemm
+    if not (_quant_supported(torch.bfloat16) and cpu_gemm.onednn_supports(torch.zeros(64, 32).bfloat16())):
+        pytest.skip("no bf16 quantized panels or no oneDNN bf16 here")
+    if "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+        pytest.skip("no AMX here")
+    weight, packed = _q4_1_linear(5)
     limit = QUANT_PANEL_MAX_ROWS[torch.bfloat16]
     assert packed.panels.dtype == torch.uint8 and packed.onednn and packed.panel_max_rows == limit
+    assert packed.wide_panels is None
     dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     for rows in (1, limit, limit + 1):
@@ -90,14 +92,34 @@ def test_quantized_linear_keeps_onednn_past_its_row_limit(monkeypatch, amx):
         assert torch.equal(packed(x), want)
 
 
+def test_quantized_linear_beside_dense_panels_without_amx(monkeypatch):
+    """On CPUs with AVX512-BF16 and no AMX (Zen 4/5; simulated on an AMX CPU by hiding the flag),
+    bf16 GGUF blocks serve steps of up to QUANT_ROWS_BESIDE_DENSE rows and dense panels, not
+    oneDNN, every larger one (cpu_gemm.dense_panels_beside_quant): both give the dense panels'
+    bits, so a sequence's tokens do not depend on which one its step took."""
+    from engine.ops import cpu_ops
+    if not _quant_supported(torch.bfloat16) or "avx512_bf16" not in cpu_ops.cpu_flags():
+        pytest.skip("no bf16 quantized panels or no AVX512-BF16 here")
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    weight, packed = _q4_1_linear(5)
+    assert packed.panels.dtype == torch.uint8 and not packed.onednn
+    assert packed.panel_max_rows == QUANT_ROWS_BESIDE_DENSE and packed.wide_panels.dtype == torch.bfloat16
+    dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
+    assert torch.equal(packed.wide_panels, dense) and packed.large_weight is packed.wide_panels
+    for rows in (1, QUANT_ROWS_BESIDE_DENSE, QUANT_ROWS_BESIDE_DENSE + 1, 8, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert packed.uses_panels(rows) == (rows <= QUANT_ROWS_BESIDE_DENSE)
+        assert torch.equal(packed(x), torch.ops.kvsentry.bf16_gemm(x, dense, None, 96)), rows
+        assert torch.equal(torch.ops.kvsentry.bf16_gemm(x, packed.panels, None, 96),
+                           torch.ops.kvsentry.bf16_gemm(x, dense, None, 96)), rows
+
+
 def test_quantized_linear_alone_where_bf16_multiplies_in_float32(monkeypatch):
     """On CPUs with AVX-512F but no AVX512-BF16 (simulated here where the CPU has more), oneDNN's
     bf16 is an emulation (~30 GFLOP/s on one Xeon core against ~140 for the panels), so the
     quantized panels serve every size and no dense copy is kept; on such a CPU bf16_gemm's
     best kernel is "avx512f", whose results are the dense panels' bit for bit."""
-    import numpy as np
-
-    from engine.gguf.weights import QuantRows
     from engine.models import cpu_gemm
     from engine.ops import cpu_ops
     if not _quant_supported(torch.bfloat16):
@@ -105,11 +127,9 @@ def test_quantized_linear_alone_where_bf16_multiplies_in_float32(monkeypatch):
     flags = cpu_ops.cpu_flags() - {"amx_bf16"}
     monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_gemm, "bf16_float32_fmas", lambda dtype: dtype == torch.bfloat16)
-    values = np.random.default_rng(6).standard_normal((96, 64)).astype(np.float32) * 0.2
-    raw = np.ascontiguousarray(gguf.quantize(values, Q.Q4_1))
-    weight = torch.from_numpy(np.array(gguf.dequantize(raw, Q.Q4_1), dtype=np.float32)).bfloat16()
-    packed = PackedLinear(weight, None, QuantRows(int(Q.Q4_1), 64, torch.from_numpy(raw)))
+    weight, packed = _q4_1_linear(6)
     assert packed.panels.dtype == torch.uint8 and not packed.onednn and packed.panel_max_rows is None
+    assert packed.wide_panels is None
     dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
     for rows in (1, 129, 300):
         x = torch.randn(rows, 64).bfloat16()
