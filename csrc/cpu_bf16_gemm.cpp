@@ -20,9 +20,9 @@
 // compute limit there: on a 1-core Zen 5, the default model's 30 layers take 9.7 ms at 8 rows
 // (5.5 ms to stream the weights) and 19.4 ms at 32 rows (12.7 ms at the GEMM peak). Here a
 // panel of 64 outputs is one contiguous stream of 256 bytes per pair of K, and each pair is
-// vdpbf16ps'ed into a 6 x 4 register tile of float32 accumulators straight from the x row's
-// embedded broadcast: 24 multiply-adds of 32 products per 4 cache lines, memory bound up to
-// 6 rows and near the FMA peak beyond (the panel stays in L2 across row tiles).
+// vdpbf16ps'ed into a 7 x 4 register tile of float32 accumulators straight from the x row's
+// embedded broadcast: 28 multiply-adds of 32 products per 4 cache lines, memory bound up to
+// 7 rows and near the FMA peak beyond (the panel stays in L2 across row tiles).
 //
 // On CPUs with AMX (Intel Sapphire Rapids and later) the same panels are AMX B tiles as they
 // lie: 16 pairs of K by 16 outputs, rows 256 bytes apart. Four C tiles hold 16 rows x 64
@@ -125,11 +125,13 @@ __attribute__((target("avx512f,avx512bf16"))) void tile(const uint32_t* x, int64
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
     const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
     for (int r = 0; r < R; ++r) {
+      // x's broadcast last, where it can be the instruction's memory operand (the products
+      // are exact and the pair's sum symmetric: the order of the operands changes no bit).
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * xs + p]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
     }
   }
   for (int j = 0; j < 4; ++j) {
@@ -145,7 +147,14 @@ __attribute__((target("avx512f,avx512bf16"))) void tile(const uint32_t* x, int64
 
 using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t,
                         int64_t);
-constexpr TileFn kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+// Rows per vdpbf16ps register tile: 7 x 4 accumulators + 4 weight vectors fill the 32 registers
+// (x is broadcast from memory). One pass of up to 7 rows streams a panel at memory speed with
+// its products in the shadow of the loads; each further row tile multiplies it again from L2. On
+// one Zen 4 core, the default model's 30 layers, 3 alternating rounds (benchmarks/bf16_gemm.py)
+// against 6-row tiles: 7 rows 9.3 vs 12.5 ms, 8 rows 11.7 vs 13.3, 9 rows 12.2 vs 14.1, 12 rows
+// 15.5 vs 16.8, 16 rows 20.0 vs 20.7; from 24 rows to 1024 within noise.
+constexpr int64_t kDotRows = 7;
+constexpr TileFn kTiles[kDotRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>};
 
 // tile<R>'s loop on CPUs with AVX-512F alone ("avx512f"), x widened to float32 beforehand
 // (row stride xs floats): each 32-bit pair of the panel split into its two float32 values (a
@@ -434,7 +443,7 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
         });
     return y;
   }
-  kvsentry_panels::for_row_tiles(
+  kvsentry_panels::for_row_tiles<kDotRows>(
       m, panels,
       [&](int64_t panel) { return q != nullptr ? kvsentry_quant::bf16_panel(*q, panel) : wp + panel * pairs * 2 * kPanel; },
       [&](const uint16_t* w, int64_t panel, int64_t r, int64_t rows) {

@@ -21,14 +21,14 @@ constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays 
 // whose weights panel_at(panel) gives (the packed panel, or a dequantized copy of it). Threads
 // split the panels; each walks its panels once per chunk of rows, so a panel streams from
 // memory once per chunk and stays in L2 across its row tiles.
-template <typename PanelAt, typename Tile>
+template <int64_t Rows = kRows, typename PanelAt, typename Tile>
 void for_row_tiles(int64_t m, int64_t panels, const PanelAt& panel_at, const Tile& tile) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
       const int64_t r1 = std::min(m, r0 + kChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
         const auto* w = panel_at(panel);
-        for (int64_t r = r0; r < r1; r += kRows) tile(w, panel, r, std::min(kRows, r1 - r));
+        for (int64_t r = r0; r < r1; r += Rows) tile(w, panel, r, std::min(Rows, r1 - r));
       }
     }
   });

@@ -42,7 +42,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 1e-30
 
 
-SHAPES = [(1, 960, 576), (2, 576, 576), (5, 3072, 576), (6, 64, 64), (7, 100, 33), (13, 1536, 96),
+SHAPES = [(1, 960, 576), (2, 576, 576), (5, 3072, 576), (6, 64, 64), (7, 100, 33), (8, 96, 64), (13, 1536, 96),
           (16, 64, 1536), (17, 200, 40), (64, 576, 1536), (97, 130, 64), (200, 49, 1), (300, 70, 600),
           (0, 64, 64)]
 
@@ -51,7 +51,7 @@ SHAPES = [(1, 960, 576), (2, 576, 576), (5, 3072, 576), (6, 64, 64), (7, 100, 33
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_matches_float64_within_float32_summation(ops, kernel, m, n, k, with_bias):
-    """Every row tile (1..6 rows; one AMX block of 16 and a partial one), partial panels (N not
+    """Every row tile (1..7 rows; one AMX block of 16 and a partial one), partial panels (N not
     a multiple of 64), K not a multiple of 32 (or odd), M past a row chunk (96; AMX: 256), K
     in several chunks of 6 AMX blocks (1536, 600), empty M: within float32 summation error of
     the exact result, then rounded to bf16 (one bf16 ulp at most beyond it)."""
@@ -121,3 +121,18 @@ def test_strided_rows_and_checks(ops):
         ops.bf16_gemm(torch.randn(2, 40).bfloat16(), packed, None, 129)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.bf16_gemm(torch.randn(2, 40), packed, None, 70)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_rows_result_does_not_depend_on_its_batch(ops, kernel):
+    """Each row's outputs are its bits alone, whichever row tile and pass of the panel it lands
+    in (vdpbf16ps: 7-row tiles, the first streaming the panel and the others reading it from L2;
+    a batch past a row chunk of 96): a decode's tokens do not depend on its batch's size."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(200, 576, generator=g) * 0.2).bfloat16()
+    b = torch.randn(200, generator=g)
+    packed = ops.bf16_gemm_pack(w)
+    x = torch.randn(100, 576, generator=g).bfloat16()
+    alone = torch.cat([ops.bf16_gemm_with(x[i:i + 1], packed, b, 200, kernel) for i in range(100)])
+    for m in (2, 6, 7, 8, 13, 14, 15, 97, 100):
+        assert torch.equal(ops.bf16_gemm_with(x[:m], packed, b, 200, kernel), alone[:m]), m
