@@ -49,7 +49,8 @@ the blocks instead of oneDNN's copy (the same bytes): the blocks run steps of up
 QUANT_ROWS_BESIDE_DENSE rows, where the weight's bytes decide, and the dense panels every larger
 step, where dequantizing each block again costs more than the bytes it saves and where the
 panels are at least as fast as oneDNN. One Zen 4 core, the default model's 30 layers
-(benchmarks/bf16_gemm.py, with and without --quant; dense panels / blocks / oneDNN ms): 1 row
+(benchmarks/bf16_gemm.py, with and without --quant, before the 7-row tiles of
+csrc/cpu_bf16_gemm.cpp, which both kinds of panels use; dense panels / blocks / oneDNN ms): 1 row
 8.8 / 8.1 / 16.3, 2 rows 9.1 / 8.4 / 17.6, 3 rows 8.8 / 10.6 / 14.5, 8 rows 11.6 / 13.9 / 18.0,
 32 rows 35.1 / 37.7 / 40.6, 128 rows 129 / 137 / 135, 1024 rows 1015 / - / 1024; its Q8_0 LM
 head (49152 x 576) 2.34 / 2.28 ms at 1 row, 3.10 / 3.85 at 8, 17.8 / 18.5 at 64. The two give
