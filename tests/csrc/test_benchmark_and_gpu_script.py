@@ -64,7 +64,7 @@ def test_benchmark_kernel_path_runs(kvsentry_ops, tmp_path, capsys):
 def bench_modules(monkeypatch):
     """Import benchmark scripts as they run: with benchmarks/ first on sys.path."""
     monkeypatch.syspath_prepend(str(BENCH_DIR))
-    names = ("common", "servers", "serve")
+    names = ("common", "servers", "serve", "offline_vllm")
     for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)
     yield lambda name: importlib.import_module(name)
@@ -173,6 +173,28 @@ def test_offline_benchmark_times_fresh_prompts_and_checks_tokens():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "prefix-cache hits in the timed runs: 0 tokens" in proc.stdout
     assert "greedy tokens: outputs identical for 4/4 (kvsentry vs transformers)" in proc.stdout
+
+
+def test_offline_vllm_worker_generates_and_main_asks_for_the_peer(bench_modules, tmp_path, monkeypatch):
+    """benchmarks/offline_vllm.py: its kvsentry worker (vLLM's needs the peer venv, absent in CI)
+    warms up, times one generate of the prompts and returns every token; without the peer's venv
+    the benchmark stops before loading anything and says how to install it."""
+    import torch
+
+    from service.demo.checkpoint import write_preset
+    offline = bench_modules("offline_vllm")
+    write_preset(tmp_path / "m", "bench-llama")
+    threads = torch.get_num_threads()
+    try:
+        out = offline.worker({"engine": "kvsentry", "model": str(tmp_path / "m"), "dtype": "float32", "threads": 1,
+                              "prompts": [[5, 6, 7], [8, 9, 10, 11]], "warm": [[12, 13]], "new_tokens": 3})
+    finally:
+        torch.set_num_threads(threads)
+    assert out["seconds"] > 0 and [len(t) for t in out["tokens"]] == [3, 3]
+    monkeypatch.setattr(bench_modules("servers"), "VLLM_DIR", tmp_path / "no-peer")
+    monkeypatch.setattr(sys, "argv", ["offline_vllm.py", "--model", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match="vllm-cpu.sh install"):
+        offline.main()
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
