@@ -19,6 +19,7 @@ NEAR_TIE_GAP = 1.0  # float32 logits of the two sides' tokens this close at a fi
 # bfloat16: more divergent requests than this share fails the run. On random-id prompts about 40% of
 # 64-token continuations meet a near-tie somewhere (SmolLM2, kvsentry vs transformers, 32 requests).
 MAX_DIVERGENT_SHARE = 0.6
+OFFLINE_WARMUP_SEED = 1_000_000  # offline benchmarks' warm-up prompts: apart from the timed runs' seeds
 
 
 def best(fn: Callable[[], object], repeats: int = 5) -> float:

@@ -30,11 +30,9 @@ import time
 
 import torch
 
-from common import (DTYPES, bench_checkpoint, load_transformers, logit_gap, prompt_token_range, random_prompts,
-                    require_equal_up_to_near_ties, require_identical, workload_parser)
-
-WARMUP_SEED = 1_000_000  # apart from the timed runs' seeds 1..repeats
-
+from common import (DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, load_transformers, logit_gap,
+                    prompt_token_range, random_prompts, require_equal_up_to_near_ties, require_identical,
+                    workload_parser)
 
 def main() -> None:
     parser = workload_parser()
@@ -67,7 +65,7 @@ def main() -> None:
         return out[:, args.prompt_len:].tolist()
 
     # Warm-up at the timed shapes (the whole batch's prefill, then decode steps), on prompts of its own.
-    warm = prompt_set(WARMUP_SEED)
+    warm = prompt_set(OFFLINE_WARMUP_SEED)
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     run_theirs(warm, 4)
     # Alternate the two engines, so a noisy neighbour on a shared machine hits both alike.

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WARMUP_SEED = 1_000_000
 
 
 def worker(spec: dict) -> dict:
@@ -59,9 +58,10 @@ def worker(spec: dict) -> dict:
     return {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
-def run_worker(engine: str, spec: dict, threads: int) -> dict:
+def run_worker(engine: str, spec: dict) -> dict:
     """`worker` in a fresh process: the peer venv's python for vLLM, this one for kvsentry."""
-    from servers import VLLM_DIR
+    from servers import VLLM_DIR, vllm_cores
+    threads = spec["threads"]
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps({**spec, "engine": engine}))
@@ -72,7 +72,7 @@ def run_worker(engine: str, spec: dict, threads: int) -> dict:
             # As vllm-cpu.sh sets them for its server, the OpenMP threads bound as serve.py binds them.
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                        VLLM_CACHE_ROOT=str(VLLM_DIR / "cache"), VLLM_CPU_KVCACHE_SPACE="2",
-                       VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}")
+                       VLLM_CPU_OMP_THREADS_BIND=vllm_cores(threads))
             if threads > 1:
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         proc = subprocess.run([python, __file__, "--worker", str(spec_path), str(out_path)], env=env,
@@ -83,8 +83,9 @@ def run_worker(engine: str, spec: dict, threads: int) -> dict:
 
 
 def main() -> None:
-    from common import (DTYPES, bench_checkpoint, load_transformers, logit_gap, prompt_token_range, random_prompts,
-                        require_equal_up_to_near_ties, require_identical, workload_parser)
+    from common import (DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, load_transformers, logit_gap,
+                        prompt_token_range, random_prompts, require_equal_up_to_near_ties, require_identical,
+                        workload_parser)
     from servers import VLLM_DIR, resolve_model
     parser = workload_parser()
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and activations, both engines")
@@ -98,7 +99,7 @@ def main() -> None:
     path = bench_checkpoint(args.model)
     models = {"kvsentry": path, "vllm": resolve_model(args.model or path)}
     low, vocab = prompt_token_range(path)
-    warm = random_prompts(args.requests, args.prompt_len, vocab=vocab, seed=WARMUP_SEED, low=low)
+    warm = random_prompts(args.requests, args.prompt_len, vocab=vocab, seed=OFFLINE_WARMUP_SEED, low=low)
     generated = args.requests * args.new_tokens
     times: dict[str, list[float]] = {"kvsentry": [], "vllm": []}
     tokens: dict[str, list] = {"kvsentry": [], "vllm": []}
@@ -109,9 +110,10 @@ def main() -> None:
         for engine in order:
             spec = {"model": models[engine], "dtype": args.dtype, "threads": args.threads, "prompts": prompts,
                     "warm": warm, "new_tokens": args.new_tokens}
-            out = run_worker(engine, spec, args.threads)
-            if sum(len(t) for t in out["tokens"]) != generated:
-                raise SystemExit(f"FAIL: {engine} generated {sum(len(t) for t in out['tokens'])} tokens, not {generated}")
+            out = run_worker(engine, spec)
+            made = sum(len(t) for t in out["tokens"])
+            if made != generated:
+                raise SystemExit(f"FAIL: {engine} generated {made} tokens, not {generated}")
             times[engine].append(out["seconds"])
             tokens[engine] += out["tokens"]
             print(f"round {rnd + 1} {engine:<9} {out['seconds']:7.2f} s  {generated / out['seconds']:7.1f} tok/s",
@@ -124,7 +126,8 @@ def main() -> None:
     rates = {e: generated / statistics.median(t) for e, t in times.items()}
     for engine in ("kvsentry", "vllm"):
         runs = " ".join(f"{generated / t:.1f}" for t in times[engine])
-        print(f"{engine:<9} median {rates[engine]:7.1f} tok/s, best {generated / min(times[engine]):7.1f}   runs: {runs}")
+        best = generated / min(times[engine])
+        print(f"{engine:<9} median {rates[engine]:7.1f} tok/s, best {best:7.1f}   runs: {runs}")
     ratio = rates["kvsentry"] / rates["vllm"]
     print(f"ratio kvsentry / vLLM: {ratio:.2f}x median, {min(times['vllm']) / min(times['kvsentry']):.2f}x best")
     names = ("kvsentry", "vLLM")

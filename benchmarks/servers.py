@@ -107,6 +107,11 @@ class KvsentryServer:
         self.proc.wait()
 
 
+def vllm_cores(threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `threads` compute threads: cores 0..threads-1."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
+
+
 class VllmServer:
     """vLLM's CPU build through the peer script, its OpenMP threads bound to cores 0..N-1."""
 
@@ -114,8 +119,7 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         n = args.vllm_threads
-        cores = "0" if n == 1 else f"0-{n - 1}"
-        env = {**os.environ, "THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": cores}
+        env = {**os.environ, "THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": vllm_cores(n)}
         # The script passes --dtype float32 before these arguments; the later --dtype wins.
         subprocess.run(["bash", str(VLLM_SCRIPT), "serve", model, str(self.port), "--dtype", args.dtype,
                         *args.vllm_args.split()],

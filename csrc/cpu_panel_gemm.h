@@ -17,7 +17,8 @@ constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16 float32 ac
 constexpr int64_t kRows = 6;    // rows per register tile: 6 x 4 accumulators + 4 weight vectors
 constexpr int64_t kChunk = 96;  // rows per pass over the panels: their x stays in L2
 
-// tile(w, panel, row, rows): rows [row, row + rows) of x (rows <= kRows) against one panel,
+// tile(w, panel, row, rows): rows [row, row + rows) of x (rows <= Rows, the caller's row tile:
+// kRows, or the bf16 kernel's kDotRows) against one panel,
 // whose weights panel_at(panel) gives (the packed panel, or a dequantized copy of it). Threads
 // split the panels; each walks its panels once per chunk of rows, so a panel streams from
 // memory once per chunk and stays in L2 across its row tiles.
