@@ -18,6 +18,7 @@ from engine.gguf.reader import read_gguf
 from engine.gguf.weights import dequantize, unpermute_rope_rows
 from service.demo.checkpoint import write_preset
 from tests.conftest import TEST_INIT_SCALE
+from tests.engine import ggml_blocks
 from tests.engine.gguf_convert import Q, llama_cpp_permute, write_gguf
 
 K_QUANTS = {Q.Q4_K: (0,), Q.Q5_K: (0,), Q.Q6_K: (-2,)}  # byte offsets of each block's fp16 scale d
@@ -81,8 +82,28 @@ def test_reader_matches_ggufs_own_reader(all_types_file):
         info = ours.tensors[tensor.name]
         assert info.shape == tuple(int(d) for d in reversed(tensor.shape.tolist()))
         assert info.offset == tensor.data_offset and info.ggml_type == tensor.tensor_type
-        reference = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(info.shape)
-        assert torch.equal(dequantize(ours, info), torch.from_numpy(np.array(reference, dtype=np.float32)))
+        raw = np.asarray(ours.raw_bytes(info, tensor.n_bytes))
+        assert np.array_equal(raw, np.asarray(tensor.data).view(np.uint8).reshape(-1)), tensor.name
+
+
+def test_block_formats_decode_as_their_layout_says(all_types_file):
+    """The loader's dequantization of each block format against a decoder written from the
+    format's layout (tests/engine/ggml_blocks.py), which shares no code with the `gguf`
+    package the loader calls."""
+    path, _ = all_types_file
+    file = read_gguf(path)
+    checked = []
+    for name, info in file.tensors.items():
+        if name not in ggml_blocks.DECODERS:
+            continue
+        _, block, size = ggml_blocks.DECODERS[name]
+        raw = np.asarray(file.raw_bytes(info, int(np.prod(info.shape)) // block * size))
+        expected = ggml_blocks.decode(name, raw, info.shape)
+        got = dequantize(file, info).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7, err_msg=name)
+        assert np.abs(expected).max() > 0, name
+        checked.append(name)
+    assert sorted(checked) == sorted(ggml_blocks.DECODERS)
 
 
 def test_dequantized_values(all_types_file):
