@@ -1,6 +1,6 @@
 """Data-parallel scaling on an MoE model, and what a dummy batch costs.
 
-README row (defaults: 64 x 64 prompt x 32 new tokens, 1 torch thread per rank):
+The command (defaults: 64 x 64 prompt x 32 new tokens, 1 torch thread per rank):
 
     .venv/bin/python benchmarks/dp_scaling.py
 

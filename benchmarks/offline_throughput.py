@@ -1,6 +1,6 @@
 """Offline generation throughput: kvsentry's LLM vs transformers `generate`.
 
-README rows, the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF, loaded by both engines
+The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF, loaded by both engines
 from the file), 32 requests at once, 1 thread, float32 then bfloat16 (~5 min each):
 
     .venv/bin/python benchmarks/offline_throughput.py --model default --dtype float32 --threads 1

@@ -2,7 +2,7 @@
 per server and dtype, one panel per workload, each kvsentry point labelled with its ratio to vLLM.
 
     .venv/bin/python benchmarks/plot_serve.py --run bfloat16=serve_bf16.json --run float32=serve_f32.json \
-        --out docs/serve_throughput_xeon.png
+        --out benchmarks/results/serve_throughput_DATE-MACHINE.png
 
 Each --run is LABEL=PATH, PATH a JSON file written by `serve.py --json`. Needs matplotlib
 (`pip install matplotlib`, the `bench` extra): only this script uses it.
@@ -36,7 +36,7 @@ def series(rows: list[dict], server: str, workload: str) -> tuple[list[int], lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, help="LABEL=PATH of a serve.py --json file")
-    parser.add_argument("--out", default="docs/serve_throughput_xeon.png")
+    parser.add_argument("--out", default="benchmarks/results/serve_throughput.png")
     parser.add_argument("--title", default="SmolLM2-135M-Instruct, 1 compute thread each, greedy, 64 new tokens")
     args = parser.parse_args()
     import matplotlib
