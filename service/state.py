@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.messages import EngineCoreOutput, EngineRequest, Fault, StepStats
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from engine.ops.implementations import describe, falling_back
 from service.errors import APIError
 from service.logprobs import TokenFormatter

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.dp.placement import process_group_backend, rank_device, visible_cuda_devices
+from engine.engine_core.engine_core import EngineCore
+from engine.placement import process_group_backend, rank_device, visible_cuda_devices
 from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
                              RankReady, Shutdown, Wake)
 from engine.ops.implementations import op_implementations
@@ -171,7 +171,7 @@ def default_threads(config: EngineConfig) -> int:
 
 
 def place_rank(config: EngineConfig, rank: int) -> EngineConfig:
-    """`config` as DP rank `rank` sees it, on its own device (engine/dp/placement.py)."""
+    """`config` as DP rank `rank` sees it, on its own device (engine/placement.py)."""
     p = config.parallel
     device = rank_device(config.device, rank - p.data_parallel_start_rank, p.data_parallel_size_local,
                          visible_cuda_devices() if config.device != "cpu" else 0)

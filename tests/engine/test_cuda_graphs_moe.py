@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine import LLM
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.dp import client as dp_client
 from engine.ops import cuda_ops, flex_attention
 from engine.ops.attention import AttentionMetadata

@@ -12,7 +12,7 @@ import engine.models.llama as llama_module
 from engine.ops import cpu_ops
 from engine.config import EngineConfig
 from engine.paging import PAD_SLOT_ID
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.worker.kv_cache import layer_tensors
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.ops import cpu_ops
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.paging import PAD_SLOT_ID, slots_for_positions
 from engine.worker.batch_builder import BatchBuilder
 from engine.worker.kv_cache import layer_tensors

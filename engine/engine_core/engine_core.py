@@ -13,13 +13,14 @@ import torch
 from engine.config import EngineConfig
 from engine.paging import NULL_BLOCK_ID
 from engine.messages import EngineCoreOutput, EngineRequest, StepStats
+from engine.worker.kv_cache import block_axis
 from engine.worker.model_runner import ModelRunner, RunnerOutput
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.request import Request, SchedulerOutput
 from engine.core.validation import validate_request
-from engine.worker import host_memory
-from engine.worker.checksums import BlockChecksums
-from engine.worker.sentinel import NaNSentinel
+from engine.memory import host_memory
+from engine.integrity.checksums import BlockChecksums
+from engine.integrity.sentinel import NaNSentinel
 from engine.structured.grammar import GrammarCompiler, compiler_for_model
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ class EngineCore:
             host_memory.keep_freed_memory()  # activations reuse heap pages instead of faulting them in
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config)
-        self.sentinel = NaNSentinel(config, self.runner.kv_storage, self.runner.null_block_writes)
-        self.checksums = BlockChecksums(config, self.runner.kv_storage)
+        axis = block_axis(config)
+        self.sentinel = NaNSentinel(config, self.runner.kv_storage, axis, self.runner.null_block_writes)
+        self.checksums = BlockChecksums(config, self.runner.kv_storage, axis)
         self.checksum_mismatches = {"prefix_cache": 0, "running": 0}
         self._sealing: list[int] = []  # blocks this step filled, sealed once the step is done
         self.heals = 0

@@ -33,16 +33,16 @@ from engine.paging import FIRST_USABLE_BLOCK_ID, NULL_BLOCK_ID, blocks_written
 from engine.ops import cpu_ops
 from engine.ops.checksum import block_words
 from engine.ops.nonfinite import KINDS, nonfinite_counts_into
-from engine.worker.kv_cache import block_axis
-from engine.worker.sweep import RollingSweep, ScanBudget
+from engine.integrity.sweep import RollingSweep, ScanBudget
 
 
 class NaNSentinel:
-    def __init__(self, config: EngineConfig, storage: torch.Tensor,
+    def __init__(self, config: EngineConfig, storage: torch.Tensor, axis: int,
                  null_block_writes: torch.Tensor | None = None):  # [1] int64, the KV writer's counter
+        """`axis`: the dimension of `storage` that indexes blocks (engine/worker/kv_cache.py)."""
         self.mode = config.nan_sentinel
         self.is_mla = config.model.is_mla
-        self.axis = block_axis(config)
+        self.axis = axis
         # [num_blocks, num_layers, (2,) block_size, ...]: blocks first, so a block range is one slice.
         self.by_block = storage.movedim(self.axis, 0)
         # The same bytes as int32 words, for the scan kernel (csrc/cpu_nonfinite.cpp).
