@@ -168,7 +168,7 @@ class AppState:
             return False, "draining"
         if not self.client.ready:
             return False, "loading"
-        tripped = sorted(r for r, s in self.client.stats.items() if s.nan_policy_tripped)
+        tripped = sorted(r for r, s in self.client.stats.items() if s.integrity.nan_policy_tripped)
         if tripped:
             return False, f"NaN policy tripped on DP rank(s) {tripped}"
         return True, "ok"
