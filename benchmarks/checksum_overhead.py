@@ -48,23 +48,23 @@ def main() -> None:
     for round_ in range(args.rounds):
         prompts = random_prompts(args.requests, args.prompt_len, vocab=vocab, seed=round_ + 1, low=low)
         for name, (checksums, sentinel) in CONFIGS.items():
-            core.checksums.mode, core.sentinel.mode = checksums, sentinel
-            core.checksums.take_seconds()
+            core.integrity.checksums.mode, core.integrity.sentinel.mode = checksums, sentinel
+            core.integrity.checksums.take_seconds()
             first_step = core.steps
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)
             seconds[name].append(time.perf_counter() - start)
             steps[name] += core.steps - first_step
-            sealed, swept = core.checksums.take_seconds()
+            sealed, swept = core.integrity.checksums.take_seconds()
             seal[name] += sealed
             verify[name] += swept
             tokens[name] += [o.outputs[0].token_ids for o in outputs]
     generated = args.requests * args.new_tokens
-    core.checksums.mode = "rolling"
+    core.integrity.checksums.mode = "rolling"
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{cpu}, {args.threads} thread(s), {args.dtype}; {args.requests} x {args.prompt_len} prompt x "
           f"{args.new_tokens} new tokens, {llm.config.num_blocks} KV blocks, rolling sweep "
-          f"{llm.config.kv_checksum_blocks_per_step} blocks/step (all within {core.checksums.coverage_steps} "
+          f"{llm.config.kv_checksum_blocks_per_step} blocks/step (all within {core.integrity.checksums.coverage_steps} "
           f"steps), {args.rounds} rounds")
     base = statistics.median(seconds["off"])
     print(f"{'config':<11}{'median s':>9}{'tok/s':>8}{'vs off':>8}{'seal ms/step':>14}{'sweep ms/step':>15}"

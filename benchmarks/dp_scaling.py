@@ -74,7 +74,7 @@ def run_llm(path: str, prompts, params, dp: int, rank_of=None, **engine_args):
 def step_costs(path: str, batch_sizes, reps: int, threads: int, **engine_args):
     """{B: (median real decode step s, median dummy step s)} on one in-process EngineCore."""
     from engine.config import EngineConfig
-    from engine.core.engine_core import EngineCore
+    from engine.engine_core.engine_core import EngineCore
     from engine.messages import EngineRequest
     from engine.sampling_params import SamplingParams
     config = EngineConfig.create(path, num_threads=threads, **engine_args)

@@ -25,8 +25,8 @@ from common import bench_checkpoint, best, prompt_token_range, random_prompts
 
 def memory_bandwidth() -> float:  # bytes/s
     # 1 GiB: far past the last-level cache; on huge pages, as the engine's weights and KV cache
-    # are (engine/worker/huge_pages.py), so that the limit is the one the engine can reach.
-    from engine.worker.huge_pages import huge_page_zeros
+    # are (engine/memory/huge_pages.py), so that the limit is the one the engine can reach.
+    from engine.memory.huge_pages import huge_page_zeros
     x = huge_page_zeros((256 * 1024 * 1024,), torch.float32).fill_(1.0)
     return x.numel() * 4 / best(lambda: x.sum())
 

@@ -39,7 +39,7 @@ def main() -> None:
     # memory placement and allocator state cannot masquerade as sentinel cost.
     llm = LLM(path, max_model_len=1024, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
               nan_sentinel="rolling", enable_prefix_caching=False, num_threads=args.threads)
-    sentinel = llm.engine.sentinel
+    sentinel = llm.engine.integrity.sentinel
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     scanned: dict[str, list[float]] = {mode: [] for mode in MODES}  # the sentinel's own timings

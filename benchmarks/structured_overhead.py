@@ -31,10 +31,10 @@ from common import DTYPES, bench_checkpoint  # noqa: E402
 
 def compile_times(model) -> tuple[float, list[float]]:
     """(seconds to build a fresh compiler, seconds per schema compiled cold)."""
-    from engine.frontend.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
     from engine.structured.grammar import build_compiler
     from engine.structured.spec import StructuredOutputs
-    from tests.engine.structured_schemas import SCHEMAS
+    from structured_schemas import SCHEMAS
     start = time.perf_counter()
     compiler = build_compiler(Tokenizer(model.tokenizer).backend, model.vocab_size, sorted(set(model.eos_token_ids)))
     setup = time.perf_counter() - start
@@ -62,7 +62,7 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
     from engine.structured.spec import StructuredOutputs
-    from tests.engine.structured_schemas import SCHEMAS
+    from structured_schemas import SCHEMAS
 
     llm = LLM(bench_checkpoint(args.model), num_threads=args.threads, dtype=args.dtype,
               enable_prefix_caching=False, max_num_seqs=args.requests, max_model_len=1024)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.dp.placement import check_device_name, check_placement, visible_cuda_devices
+from engine.placement import check_device_name, check_placement, visible_cuda_devices
 from engine.gguf.hf_config import eos_token_ids, hf_config_from_gguf
 from engine.gguf.reader import is_gguf_path, read_gguf
 
@@ -217,7 +217,7 @@ class EngineConfig:
     nan_scan_written_blocks: bool = False  # rolling mode: also scan every block the step wrote
     # Rolling and null-block modes: the whole null block is scanned every this many steps, and in
     # any step whose KV writer counted a write into it (why not every step on CPU: the docstring
-    # of engine/worker/sentinel.py). 0: auto (4 on CPU, 1 on CUDA).
+    # of engine/integrity/sentinel.py). 0: auto (4 on CPU, 1 on CUDA).
     nan_scan_null_every: int = 0
     nan_policy: str = "count"  # one of NAN_POLICIES
     kv_checksums: str = "rolling"  # one of KV_CHECKSUM_MODES

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.integrity.stats import IntegrityStats
 from engine.sampling_params import SamplingParams
 
 
@@ -62,7 +63,8 @@ EngineInput = EngineRequest | Abort | Wake | Shutdown | Fault
 
 
 class StepStats(msgspec.Struct, array_like=True):
-    """Per-rank counters and gauges, shipped with every batch of outputs."""
+    """Per-rank counters and gauges. A rank sends them when its integrity findings change, on a
+    timer while busy, and when it goes idle (engine/dp/rank.py), never once per step."""
     rank: int
     steps: int
     dummy_batches: int
@@ -73,20 +75,7 @@ class StepStats(msgspec.Struct, array_like=True):
     prefix_queries: int
     prefix_hits: int
     preemptions: int
-    null_block_writes: int
-    nan_values: list[tuple[int, str, int]] = []  # (layer, region, count) at the last scan
-    nan_detections: list[tuple[str, int]] = []   # (region, total)
-    corrupted_requests: int = 0
-    heals: int = 0
-    scan_seconds: list[float] = []
-    scan_coverage_steps: int = 0
-    nan_policy_tripped: bool = False  # --nan-policy fail tripped (by a NaN or a checksum mismatch)
-    foreign_writes: int = 0                          # cache writes outside the step's own blocks
-    checksum_mismatches: list[tuple[str, int]] = []  # (region, total): prefix_cache | running
-    sealed_blocks: int = 0                           # blocks holding a checksum now
-    checksum_coverage_steps: int = 0                 # steps within which every sealed block is verified
-    seal_seconds: list[float] = []                   # per step: hashing the blocks that sealed
-    verify_seconds: list[float] = []                 # per step: the verification sweep
+    integrity: IntegrityStats = msgspec.field(default_factory=IntegrityStats)  # engine/integrity/
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -8,7 +8,7 @@
 #      graphs with the null block checked after each; decode tokens/s, graphs vs eager, at batch
 #      1/8/32 (about a minute)
 #   4. benchmarks/kv_write_bandwidth.py --fp8 (target: >= 80% of a d2d copy at >= 4k tokens)
-#   5. with 2+ visible GPUs: DP=2 placement (engine/dp/placement.py): rank l on cuda:l, NCCL for
+#   5. with 2+ visible GPUs: DP=2 placement (engine/placement.py): rank l on cuda:l, NCCL for
 #      the lockstep all-reduce and the EP all-gather / reduce-scatter, tokens equal to the CPU
 #      engine's (about a minute). With one GPU it is skipped: the DP=1 CUDA engine run with the
 #      null-block check is in step 2 (tests/gpu/test_engine_gpu.py).
@@ -162,7 +162,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs, NullBlockDirtied

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from engine.messages import TokenLogprob
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from service.protocol import CompletionLogprobs, TokenLogprobOut, TopLogprob
 
 

@@ -1,9 +1,10 @@
 """Prometheus metrics of one server, in their own registry (tests build many apps).
 
 Request metrics are updated by the handlers; per-rank gauges are read from the
-client's latest `StepStats` at scrape time by `EngineStatsCollector`, so they
-are never staler than the last step. Every series carries `model_name`; the
-per-rank ones also carry `engine` (the DP rank).
+client's latest `StepStats` at scrape time by `EngineStatsCollector`. A rank
+reports on a finding at once, otherwise at most every STATS_SECONDS while busy
+and when it goes idle (engine/dp/rank.py). Every series carries `model_name`;
+the per-rank ones also carry `engine` (the DP rank).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.integrity.regions import CHECKSUM_REGIONS
 from engine.messages import StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -22,8 +24,6 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-
-CHECKSUM_REGIONS = ("prefix_cache", "running")  # where a sealed block lives: cached for reuse, or in use
 
 StatsSource = Callable[[], dict[int, StepStats]]
 OpsSource = Callable[[], dict[int, dict[str, str]]]  # rank -> {op: implementation}
@@ -63,39 +63,39 @@ class EngineStatsCollector(Collector):
                                        "region (null_block = block 0, allocated = every other block).",
                                        labels=["model_name", "engine", "layer", "region"])
         for rank, s in sorted(stats.items()):
-            for layer, region, value in s.nan_values:
+            for layer, region, value in s.integrity.nan_values:
                 nan_values.add_metric([self.model_name, str(rank), str(layer), region], float(value))
         yield nan_values
         yield self._region_counter("kvsentry_kv_cache_nan_detections", "Blocks the NaN sentinel found newly poisoned.",
-                                   stats, lambda s: s.nan_detections, ())
+                                   stats, lambda s: s.integrity.nan_detections, ())
         yield self._counter("kvsentry_null_block_writes",
                             "Cache writes whose slot fell in the null block (block 0); must stay 0.",
-                            stats, lambda s: s.null_block_writes)
+                            stats, lambda s: s.integrity.null_block_writes)
         yield self._counter("kvsentry_corrupted_requests",
                             "Requests with non-finite logits or aborted for reading a poisoned block.",
-                            stats, lambda s: s.corrupted_requests)
+                            stats, lambda s: s.integrity.corrupted_requests)
         yield self._counter("kvsentry_kv_cache_heals",
                             "Poisoned blocks zeroed (and dropped from the prefix cache) by --nan-policy heal.",
-                            stats, lambda s: s.heals)
+                            stats, lambda s: s.integrity.heals)
         yield self._gauge("kvsentry_kv_cache_scan_coverage_steps",
                           "Steps within which the sentinel scans every KV block at least once.",
-                          stats, lambda s: s.scan_coverage_steps)
+                          stats, lambda s: s.integrity.scan_coverage_steps)
         # Beyond NaN: finite corruption of sealed (full, immutable) blocks, and cache writes
         # outside the blocks of the step's own requests.
         yield self._region_counter("kvsentry_kv_cache_checksum_mismatches",
                                    "Sealed KV blocks whose bytes no longer match their checksum "
                                    "(finite corruption), by region (prefix_cache or running).",
-                                   stats, lambda s: s.checksum_mismatches, CHECKSUM_REGIONS)
+                                   stats, lambda s: s.integrity.checksum_mismatches, CHECKSUM_REGIONS)
         yield self._gauge("kvsentry_kv_cache_sealed_blocks",
                           "KV blocks sealed (full, immutable) with a recorded checksum on a DP rank.",
-                          stats, lambda s: s.sealed_blocks)
+                          stats, lambda s: s.integrity.sealed_blocks)
         yield self._gauge("kvsentry_kv_cache_checksum_coverage_steps",
                           "Steps within which the checksum sweep verifies every sealed block at least once.",
-                          stats, lambda s: s.checksum_coverage_steps)
+                          stats, lambda s: s.integrity.checksum_coverage_steps)
         yield self._counter("kvsentry_kv_foreign_writes",
                             "Cache writes whose slot fell outside the blocks the step's scheduled requests "
                             "own (e.g. a stale slot buffer in a dummy or padded batch); must stay 0.",
-                            stats, lambda s: s.foreign_writes)
+                            stats, lambda s: s.integrity.foreign_writes)
 
     def _region_counter(self, name: str, doc: str, stats: dict[int, StepStats],
                         totals: Callable[[StepStats], list[tuple[str, int]]],
@@ -216,13 +216,14 @@ class Metrics:
         series.inc()
 
     def observe_stats(self, stats: StepStats) -> None:
-        """Every StepStats as it arrives: each scan, seal or verify duration is one histogram
-        observation."""
-        if stats.scan_seconds:
+        """Every StepStats as it arrives: each scan, seal or verify duration since the rank's
+        last report is one histogram observation."""
+        integrity = stats.integrity
+        if integrity.scan_seconds:
             series = self.scan_seconds.labels(self.model_name, str(stats.rank))
-            for seconds in stats.scan_seconds:
+            for seconds in integrity.scan_seconds:
                 series.observe(seconds)
-        for phase, durations in (("seal", stats.seal_seconds), ("verify", stats.verify_seconds)):
+        for phase, durations in (("seal", integrity.seal_seconds), ("verify", integrity.verify_seconds)):
             if durations:
                 series = self.checksum_seconds.labels(self.model_name, str(stats.rank), phase)
                 for seconds in durations:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.messages import EngineCoreOutput, EngineRequest, Fault, StepStats
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from engine.ops.implementations import describe, falling_back
 from service.errors import APIError
 from service.logprobs import TokenFormatter
@@ -168,7 +168,7 @@ class AppState:
             return False, "draining"
         if not self.client.ready:
             return False, "loading"
-        tripped = sorted(r for r, s in self.client.stats.items() if s.nan_policy_tripped)
+        tripped = sorted(r for r, s in self.client.stats.items() if s.integrity.nan_policy_tripped)
         if tripped:
             return False, f"NaN policy tripped on DP rank(s) {tripped}"
         return True, "ok"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.core.block_pool import BlockPool, hash_block
-from engine.core.request import Request
+from engine.request import Request
 
 
 class KVCacheManager:

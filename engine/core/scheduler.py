@@ -10,25 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.scheduled)
+from engine.request import Request, RequestStatus, SchedulerOutput
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.dp.placement import check_placement, visible_cuda_devices
+from engine.placement import check_placement, visible_cuda_devices
 from engine.dp.rank import endpoints, rank_identity, run_rank
 from engine.messages import (Abort, EngineCoreOutput, EngineMessage, EngineOutputs, EngineRequest,
                              Fault, RankFailed, RankReady, Shutdown, StepStats, Wake)

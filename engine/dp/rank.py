@@ -10,6 +10,12 @@ or on none, since the experts' collectives differ between the two paths
 (engine/worker/cuda_graphs.py). When nobody has work the wave ends on every
 rank at once and the ranks block on their input socket (no busy loop) until a
 request or a Wake for the next wave arrives.
+
+Stats (StepStats) go to the front end when the rank's integrity findings change, at most
+every STATS_SECONDS while it is busy, and when it goes idle or a wave ends -- not with every
+step: they carry per-layer counts, and reading the device counters behind them is a host sync
+on CUDA. A scrape sees counters at most STATS_SECONDS old while a rank is busy, exact once
+it is idle.
 """
 from __future__ import annotations
 
@@ -28,13 +34,14 @@ import torch.distributed as dist
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.dp.placement import process_group_backend, rank_device, visible_cuda_devices
+from engine.engine_core.engine_core import EngineCore
+from engine.placement import process_group_backend, rank_device, visible_cuda_devices
 from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
                              RankReady, Shutdown, Wake)
 from engine.ops.implementations import op_implementations
 
 HEARTBEAT_SECONDS = 1.0
+STATS_SECONDS = 0.5  # the longest a busy rank's stats go unreported
 
 
 def endpoints(config: EngineConfig) -> tuple[str, str, str]:
@@ -62,10 +69,23 @@ class RankLoop:
         self.stale_request = False
         self.running = True
         self.parent = os.getppid()
+        self._reported_at = 0.0     # time.monotonic() of the last stats sent
+        self._reported_findings = 0  # the integrity unit's findings as last sent
 
     def send(self, **fields) -> None:
         msg = EngineOutputs(rank=self.rank, outputs=fields.pop("outputs", []), **fields)
+        if not msg.outputs and msg.stats is None and msg.wave_complete is None and msg.start_wave is None:
+            return  # a step that produced nothing to tell (a dummy batch between reports)
         self.outputs.send(self.encoder.encode(msg), copy=False)
+
+    def stats_due(self, now: bool = False):
+        """The rank's stats when a report is due (findings moved, the timer ran out, or `now`),
+        else None."""
+        at, findings = time.monotonic(), self.core.integrity.findings
+        if now or findings != self._reported_findings or at - self._reported_at >= STATS_SECONDS:
+            self._reported_at, self._reported_findings = at, findings
+            return self.core.stats()
+        return None
 
     def run(self) -> None:
         while self.running:
@@ -81,7 +101,7 @@ class RankLoop:
                 self.lockstep_step()
             elif self.core.has_unfinished:
                 outputs = self.core.step()
-                self.send(outputs=outputs, stats=self.core.stats())
+                self.send(outputs=outputs, stats=self.stats_due(now=not self.core.has_unfinished))
 
     def heartbeat(self) -> None:
         if os.getppid() != self.parent:  # our launcher died: do not linger as an orphan
@@ -90,7 +110,7 @@ class RankLoop:
         # An idle rank still watches its cache: poison that arrives while nothing runs
         # (a stray write, an injected fault) is found within one heartbeat.
         self.core.idle_scan()
-        self.send(outputs=self.core.take_pending(), stats=self.core.stats())
+        self.send(outputs=self.core.take_pending(), stats=self.stats_due(now=True))
 
     def drain(self) -> None:
         while self.running and self.inputs.poll(0):
@@ -107,7 +127,7 @@ class RankLoop:
                     self.stale_request = True
             elif isinstance(msg, Abort):
                 self.core.abort(msg.request_ids, msg.index)
-                self.send(outputs=self.core.take_pending(), stats=self.core.stats())
+                self.send(outputs=self.core.take_pending(), stats=self.stats_due(now=not self.core.has_unfinished))
             elif isinstance(msg, Wake):
                 if self.lockstep and not self.in_wave and msg.wave >= self.wave:
                     self.in_wave = True
@@ -143,11 +163,11 @@ class RankLoop:
         if not anyone_busy and max_tokens == 0:
             self.in_wave = False
             self.wave += 1
-            self.send(stats=core.stats(), wave_complete=self.wave - 1 if self.rank == 0 else None)
+            self.send(stats=self.stats_due(now=True), wave_complete=self.wave - 1 if self.rank == 0 else None)
             return
         num_padded = core.config.padded_num_tokens(max(max_tokens, 1))
         outputs = core.step(sched, num_padded)
-        self.send(outputs=outputs, stats=core.stats())
+        self.send(outputs=outputs, stats=self.stats_due())
 
 
 def _shutdown_pending(inputs: zmq.Socket) -> bool:
@@ -171,7 +191,7 @@ def default_threads(config: EngineConfig) -> int:
 
 
 def place_rank(config: EngineConfig, rank: int) -> EngineConfig:
-    """`config` as DP rank `rank` sees it, on its own device (engine/dp/placement.py)."""
+    """`config` as DP rank `rank` sees it, on its own device (engine/placement.py)."""
     p = config.parallel
     device = rank_device(config.device, rank - p.data_parallel_start_rank, p.data_parallel_size_local,
                          visible_cuda_devices() if config.device != "cpu" else 0)

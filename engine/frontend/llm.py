@@ -6,13 +6,13 @@ import time
 from typing import Any, Sequence
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.core.validation import validate_request
 from engine.messages import EngineRequest
 from engine.frontend.output_processor import RequestState
 from engine.frontend.outputs import CompletionOutput, RequestOutput, logprob_dict
 from engine.sampling_params import SamplingParams
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.messages import EngineCoreOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 # How many earlier tokens are re-decoded for context (byte-level BPE needs a few).
 _CONTEXT_TOKENS = 6

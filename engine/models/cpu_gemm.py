@@ -71,7 +71,7 @@ import logging
 from engine import envs
 from engine.gguf.weights import QuantRows
 from engine.ops import cpu_ops
-from engine.worker.huge_pages import to_huge_pages
+from engine.memory.huge_pages import to_huge_pages
 
 log = logging.getLogger(__name__)
 

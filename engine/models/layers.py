@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.ops.attention import AttentionMetadata
-from engine.ops.write_guard import WriteGuard
+from engine.integrity.write_guard import WriteGuard
 from engine.gguf.weights import QuantRows
 from engine.models.cpu_gemm import PackedLinear, fused_linear
 from engine.ops import fused_ops

@@ -1,4 +1,4 @@
-"""Checksums of KV blocks: the op the sealed-block registry (engine/worker/checksums.py) uses.
+"""Checksums of KV blocks: the op the sealed-block registry (engine/integrity/checksums.py) uses.
 
 A block's checksum is, per layer, two 32-bit lanes of a multilinear hash of its bytes:
 

@@ -3,18 +3,22 @@
 Both ops skip `slot < 0` (PAD_SLOT_ID), so padded and dummy tokens write
 nothing, and both count the writes whose slot falls in the null block (block
 0), which must stay zero for the engine's whole life. Given the step's WriteGuard, they
-also count the writes outside the blocks the step's requests own (engine/ops/write_guard.py). On CUDA they dispatch to
+also count the writes outside the blocks the step's requests own (engine/integrity/write_guard.py). On CUDA they dispatch to
 the kernels in csrc/ (engine/ops/cuda_ops.py), on CPU to the same per-token code run on
 the host; without a build, to the torch references below, which define the semantics the
 kernels must match bit for bit.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.ops import cpu_ops, cuda_ops
-from engine.ops.write_guard import WriteGuard
 from engine.paging import block_of_slot, null_block_hits, offset_in_block
+
+if TYPE_CHECKING:  # a type only: the integrity unit imports these ops, not the reverse
+    from engine.integrity.write_guard import WriteGuard
 
 
 # float8_e4m3fn has no inf: the largest finite value, where overflow and +-inf saturate.

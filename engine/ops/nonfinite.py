@@ -3,7 +3,7 @@
 csrc/cpu_nonfinite.cpp on CPU (integer masks on the raw words, one pass, no float copy),
 held to the torch reference below (tests/csrc/test_nonfinite.py). Both take the block-first
 int32 words view of the cache storage (engine/ops/checksum.py's block_words). Where the kernel
-does not take a cache, the sentinel sums floats instead (engine/worker/sentinel.py).
+does not take a cache, the sentinel sums floats instead (engine/integrity/sentinel.py).
 """
 from __future__ import annotations
 

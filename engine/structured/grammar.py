@@ -25,7 +25,7 @@ class GrammarError(ValueError):
 
 
 def build_compiler(backend, vocab_size: int, stop_token_ids: list[int]) -> "GrammarCompiler":
-    """`backend`: a `tokenizers.Tokenizer` (engine/frontend/tokenizer.py's Tokenizer.backend)."""
+    """`backend`: a `tokenizers.Tokenizer` (engine/tokenizer.py's Tokenizer.backend)."""
     from transformers import PreTrainedTokenizerFast
     wrapped = PreTrainedTokenizerFast(tokenizer_object=backend)
     info = xgr.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -155,5 +155,5 @@ def compiler_for_model(model) -> GrammarCompiler:
 @functools.lru_cache(maxsize=4)
 def compiler_for(tokenizer_path: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> GrammarCompiler:
     """The process's compiler for a tokenizer (a rank and the front end each build their own)."""
-    from engine.frontend.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
     return build_compiler(Tokenizer(tokenizer_path).backend, vocab_size, list(stop_token_ids))

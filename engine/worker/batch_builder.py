@@ -15,7 +15,7 @@ import torch
 from engine.ops.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.paging import NULL_BLOCK_ID, PAD_SLOT_ID, slots_for_positions
-from engine.core.scheduler import SchedulerOutput
+from engine.request import SchedulerOutput
 
 
 @dataclass

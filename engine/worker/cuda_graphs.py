@@ -40,7 +40,7 @@ from engine.models.layers import StepContext
 from engine.ops import cuda_ops, flex_attention
 from engine.ops.attention import AttentionMetadata
 from engine.ops.checksum import block_words
-from engine.ops.write_guard import WriteGuard
+from engine.integrity.write_guard import WriteGuard
 from engine.paging import NULL_BLOCK_ID, PAD_SLOT_ID
 from engine.worker.batch_builder import StepBatch
 from engine.worker.kv_cache import block_axis

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.worker.huge_pages import huge_page_zeros
+from engine.memory.huge_pages import huge_page_zeros
 
 KVCache = list  # per layer: (k_cache, v_cache) or one MLA latent tensor
 
@@ -30,7 +30,7 @@ def allocate_kv_storage(config: EngineConfig) -> torch.Tensor:
         shape = (mc.num_layers, 2, mc.num_kv_heads, config.num_blocks, config.block_size, mc.head_dim)
     else:
         shape = (mc.num_layers, 2, config.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-    if config.device == "cpu":  # every step streams the live blocks: huge pages (engine/worker/huge_pages.py)
+    if config.device == "cpu":  # every step streams the live blocks: huge pages (engine/memory/huge_pages.py)
         return huge_page_zeros(shape, mc.dtype)
     return torch.zeros(shape, dtype=mc.dtype, device=config.device)
 

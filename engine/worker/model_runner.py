@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.ops import cpu_ops
-from engine.ops.write_guard import WriteGuard
+from engine.integrity.write_guard import WriteGuard
 from engine.worker.batch_builder import BatchBuilder, StepBatch
 from engine.worker.cuda_graphs import DecodeGraphs, eager_reason
 from engine.config import EngineConfig
@@ -16,7 +16,7 @@ from engine.worker.loader import load_model
 from engine.messages import TokenLogprob
 from engine.models.layers import StepContext
 from engine.worker.sampler import Sampler, token_logprobs
-from engine.core.scheduler import SchedulerOutput
+from engine.request import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.messages import TokenLogprob
 from engine.ops import cpu_ops
-from engine.core.request import Request
+from engine.request import Request
 from engine.structured.grammar import apply_grammars
 
 

@@ -47,7 +47,7 @@ def test_sampler_greedy_rows_take_the_raw_logits(kvsentry_ops, monkeypatch):
     """A batch of plain greedy requests is sampled from the bf16 logits as they are (no float
     copy: Tensor.float is never called), with each row's finiteness from the same pass; one
     request that wants logprobs sends the batch down the float path: the same tokens and flags."""
-    from engine.core.request import Request
+    from engine.request import Request
     from engine.sampling_params import SamplingParams
     from engine.worker.sampler import Sampler
     logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest
 from engine.models import cpu_gemm
 from engine.ops import attention, cpu_ops

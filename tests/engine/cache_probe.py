@@ -14,8 +14,8 @@ from unittest import mock
 import torch
 
 from engine.config import EngineConfig
-from engine.core import engine_core
-from engine.core.engine_core import EngineCore
+from engine.engine_core import engine_core
+from engine.engine_core.engine_core import EngineCore
 from engine.worker.kv_cache import layer_tensors
 from engine.worker.model_runner import ModelRunner
 

@@ -148,7 +148,7 @@ def probed_rank(report_dir: str | None, legacy_dummy: bool, config: EngineConfig
     writes a report (steps, a digest of every byte of its KV cache, non-zero bytes in block 0)
     to `report_dir` each time it reports stats, and, with `legacy_dummy`, runs every dummy
     batch the old broken way (tests/engine/cache_probe.py)."""
-    from engine.core.engine_core import EngineCore
+    from engine.engine_core.engine_core import EngineCore
     from engine.dp import rank as rank_module
     from tests.engine.cache_probe import LegacyDummyCore, cache_digest, null_block_nonzero
 

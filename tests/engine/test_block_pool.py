@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from engine.core.block_pool import BlockPool, hash_block
 from engine.paging import NULL_BLOCK_ID
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 BS = 4  # block size used throughout

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import MAX_CUDA_GRAPH_SIZE, EngineConfig, default_cuda_graph_sizes
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.engine_args import parse_sizes
 from engine.messages import EngineRequest, Fault
 from engine.ops import flex_attention

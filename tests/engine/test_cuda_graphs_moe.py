@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine import LLM
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.dp import client as dp_client
 from engine.ops import cuda_ops, flex_attention
 from engine.ops.attention import AttentionMetadata
@@ -246,4 +246,4 @@ def test_dp2_expert_parallel_fixed_shape_tokens_equal_dp1_eager(checkpoint, tmp_
         assert report["replays"] >= 8, (rank, report)  # decode steps (and rank 1's dummies) went through the buffers
         assert report["dirty"] == [], rank
     assert reports[1]["dummy_batches"] > 0
-    assert all(s.null_block_writes == 0 for s in stats.values())
+    assert all(s.integrity.null_block_writes == 0 for s in stats.values())

@@ -107,9 +107,9 @@ def settle(engine, seconds: float = 1.3) -> None:
 
 def assert_cache_clean(stats) -> None:
     for rank, s in stats.items():
-        assert s.null_block_writes == 0, f"rank {rank} wrote the null block"
-        assert all(count == 0 for _, _, count in s.nan_values), f"rank {rank}: {s.nan_values}"
-        assert s.nan_values, "nan_sentinel='full' should report per-layer values"
+        assert s.integrity.null_block_writes == 0, f"rank {rank} wrote the null block"
+        assert all(count == 0 for _, _, count in s.integrity.nan_values), f"rank {rank}: {s.integrity.nan_values}"
+        assert s.integrity.nan_values, "nan_sentinel='full' should report per-layer values"
 
 
 def settled(engine, report_dir: Path) -> tuple[dict, dict[int, dict]]:
@@ -236,23 +236,23 @@ def test_legacy_dummy_batch_poisons_idle_rank(legacy, dp_llm, checkpoint):
     try:
         engine = llm.engine
         wait_stats(engine, idle, what="both ranks idle")
-        writes_before = engine.stats[1].null_block_writes
+        writes_before = engine.stats[1].integrity.null_block_writes
         collected = legacy_schedule(llm, prompts)
         wait_stats(engine, idle, what="both ranks idle")
         rank1 = engine.stats[1]
         got = [collected.tokens[f"r1-{i}"] for i in range(len(prompts))]
         logprobs = [collected.logprobs[f"r1-{i}"] for i in range(len(prompts))]
-        null_nans = sum(c for _, region, c in rank1.nan_values if region == "null_block")
+        null_nans = sum(c for _, region, c in rank1.integrity.nan_values if region == "null_block")
         if legacy:
-            assert rank1.null_block_writes > writes_before, "the legacy dummy batch should write block 0"
-            assert null_nans > 0, f"the sentinel should see NaN in block 0: {rank1.nan_values}"
+            assert rank1.integrity.null_block_writes > writes_before, "the legacy dummy batch should write block 0"
+            assert null_nans > 0, f"the sentinel should see NaN in block 0: {rank1.integrity.nan_values}"
             corrupted = [i for i in range(len(prompts))
                          if got[i] != reference[i] or any(math.isnan(v) for v in logprobs[i])]
             assert corrupted, "requests decoded over a poisoned null block should be corrupted"
             assert any(math.isnan(v) for lps in logprobs for v in lps)
-            assert rank1.corrupted_requests > 0
+            assert rank1.integrity.corrupted_requests > 0
         else:
-            assert rank1.null_block_writes == writes_before == 0
+            assert rank1.integrity.null_block_writes == writes_before == 0
             assert null_nans == 0
             assert got == reference
             assert not any(math.isnan(v) for lps in logprobs for v in lps)

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from engine.gguf import default_model
 from engine.gguf.default_model import default_model_path
 

@@ -1,4 +1,4 @@
-"""engine/worker/host_memory.py: freed activations stay mapped, so a step stops page-faulting
+"""engine/memory/host_memory.py: freed activations stay mapped, so a step stops page-faulting
 them back in. Each case runs in a fresh interpreter: malloc settings are per process."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # went, and the minor page faults of each of 10 more steps.
 SCRIPT = """
 import ctypes, resource, torch
-from engine.worker import host_memory
+from engine.memory import host_memory
 took = host_memory.keep_freed_memory()
 libc = ctypes.CDLL(None)
 libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]

@@ -1,4 +1,4 @@
-"""engine/worker/huge_pages.py: packed weights and the CPU KV cache on mappings advised for
+"""engine/memory/huge_pages.py: packed weights and the CPU KV cache on mappings advised for
 transparent huge pages, carved without overlap, zeroed, and given back when freed."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.worker import huge_pages
-from engine.worker.huge_pages import CHUNK, HUGE_PAGE, huge_page_zeros, to_huge_pages
+from engine.memory import huge_pages
+from engine.memory.huge_pages import CHUNK, HUGE_PAGE, huge_page_zeros, to_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -12,7 +12,7 @@ import engine.models.llama as llama_module
 from engine.ops import cpu_ops
 from engine.config import EngineConfig
 from engine.paging import PAD_SLOT_ID
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.worker.kv_cache import layer_tensors
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
         # Every full block of a live request carries a checksum.
         for request in core.scheduler.requests.values():
             full = request.block_ids[:request.num_computed_tokens // BLOCK]
-            assert all(core.checksums.sealed[b] for b in full), "a full block was not sealed"
+            assert all(core.integrity.checksums.sealed[b] for b in full), "a full block was not sealed"
 
     for kind, a, b in plan:
         if kind == "add":
@@ -134,4 +134,4 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
     # schedule does (preemption, prefix hits, n > 1, chunks, aborts, dummies) writes a sealed
     # block or a block the step does not own.
     assert core.runner.write_guard.foreign_writes.item() == 0
-    assert sum(core.checksum_mismatches.values()) == 0
+    assert sum(core.integrity.checksum_mismatches.values()) == 0

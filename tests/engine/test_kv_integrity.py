@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest, Fault
 from engine.sampling_params import SamplingParams
 from engine.worker.kv_cache import layer_tensors
+from tests.engine.dp_helpers import wait_stats
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -42,7 +43,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def mismatches(core: EngineCore) -> dict[str, int]:
-    return {region: n for region, n in core.stats().checksum_mismatches if n}
+    return {region: n for region, n in core.stats().integrity.checksum_mismatches if n}
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3"])
@@ -62,30 +63,30 @@ def test_bit_flip_in_any_sealed_block_is_found_within_the_coverage_bound(path, p
                                        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)))
         for _ in range(3):
             core.step()
-        sealed = [b for b in core.scheduler.requests[f"keep{trial}#0"].block_ids if core.checksums.sealed[b]]
+        sealed = [b for b in core.scheduler.requests[f"keep{trial}#0"].block_ids if core.integrity.checksums.sealed[b]]
         assert sealed, "a running request with 5 full blocks has sealed blocks"
         block, layer, target = rng.choice(sealed), rng.randrange(layers), rng.choice(targets)
         before = mismatches(core).get(region, 0)
         core.inject_fault(Fault(kind="bitflip", layer=layer, block=block, target=target))
-        for step in range(core.checksums.coverage_steps):
+        for step in range(core.integrity.checksums.coverage_steps):
             core.step() if core.has_unfinished else core.idle_scan()
             if mismatches(core).get(region, 0) > before:
                 break
         else:
-            pytest.fail(f"flip in block {block} not found within {core.checksums.coverage_steps} steps")
+            pytest.fail(f"flip in block {block} not found within {core.integrity.checksums.coverage_steps} steps")
         assert mismatches(core) == {region: before + 1}
-        assert not core.checksums.sealed[block]  # reported once
+        assert not core.integrity.checksums.sealed[block]  # reported once
         drain(core)
     stats = core.stats()
-    assert stats.nan_detections == [("null_block", 0), ("allocated", 0)]  # finite corruption: no NaN
-    assert stats.foreign_writes == 0
+    assert stats.integrity.nan_detections == [("null_block", 0), ("allocated", 0)]  # finite corruption: no NaN
+    assert stats.integrity.foreign_writes == 0
 
 
 def test_the_flipped_layer_is_named(path, caplog):
     core = make_core(path, kv_checksums="full")
     core.add_request(EngineRequest("a", prompt(1, 3 * BLOCK), GREEDY))
     core.step()
-    block = core.checksums.latest_sealed
+    block = core.integrity.checksums.latest_sealed
     layer = core.config.model.num_layers - 1
     core.inject_fault(Fault(kind="bitflip", layer=layer, block=-1, target="latent" if core.config.model.is_mla else "v"))
     with caplog.at_level("WARNING"):
@@ -107,13 +108,13 @@ def test_stale_slot_dummy_is_a_foreign_write_in_the_step_it_runs(path, strict):
     core.add_request(EngineRequest("a", prompt(2, 2 * BLOCK), GREEDY))  # prefill fills (seals) 2 blocks
     core.step()
     stale = int((core.runner.builder.slot_mapping >= 0).sum())
-    assert stale == 2 * BLOCK and core.checksums.num_sealed == 2
+    assert stale == 2 * BLOCK and core.integrity.checksums.num_sealed == 2
     before = cache_bytes(core)
     core.inject_fault(Fault(kind="stale_slot_dummy"))  # DP=1: replayed at once
     stats = core.stats()
     assert stats.dummy_batches == 1
-    assert stats.foreign_writes == stale  # once per token, in that step
-    assert stats.nan_detections == [("null_block", 0), ("allocated", 0)]
+    assert stats.integrity.foreign_writes == stale  # once per token, in that step
+    assert stats.integrity.nan_detections == [("null_block", 0), ("allocated", 0)]
     unchanged = all(torch.equal(x, y) for x, y in zip(before, cache_bytes(core)))
     if strict:
         assert unchanged and not mismatches(core)
@@ -121,7 +122,7 @@ def test_stale_slot_dummy_is_a_foreign_write_in_the_step_it_runs(path, strict):
         # The dummy's finite keys and values overwrote both sealed blocks: the sweep saw it.
         assert not unchanged and mismatches(core) == {"prefix_cache": 2}
     drain(core)
-    assert core.stats().foreign_writes == stale  # real steps add nothing
+    assert core.stats().integrity.foreign_writes == stale  # real steps add nothing
 
 
 def test_heal_recomputes_a_corrupted_prefix_to_the_clean_tokens(path):
@@ -134,14 +135,20 @@ def test_heal_recomputes_a_corrupted_prefix_to_the_clean_tokens(path):
     core.step()  # prefix hit on the cached blocks, which the victim now reads
     block = core.scheduler.requests["victim#0"].block_ids[1]
     block_hash = core.scheduler.kv.pool.block_hash[block]
-    assert block_hash is not None and core.checksums.sealed[block]
+    assert block_hash is not None and core.integrity.checksums.sealed[block]
     core.inject_fault(Fault(kind="bitflip", layer=0, block=block, target="latent" if core.config.model.is_mla else "k"))
     outs = core.step()
     assert [(o.request_id, o.finish_reason) for o in outs if o.finish_reason] == [("victim", "error")]
     assert core.scheduler.kv.pool.lookup(block_hash) is None  # left the prefix cache
-    assert mismatches(core) == {"prefix_cache": 1} and core.stats().corrupted_requests == 1
+    assert mismatches(core) == {"prefix_cache": 1} and core.stats().integrity.corrupted_requests == 1
     core.add_request(EngineRequest("again", shared, params))
     assert [t for o in drain(core) for t in o.new_token_ids] == clean
+
+
+def wave_over(stats) -> bool:
+    """Both ranks idle and at the same step count: the stats a rank sends as its wave ends."""
+    return (len(stats) == 2 and all(s.num_running == s.num_waiting == 0 for s in stats.values())
+            and len({s.steps for s in stats.values()}) == 1)
 
 
 def test_dp2_lockstep_dummy_batches_write_nothing_foreign_until_a_stale_one_runs():
@@ -153,22 +160,25 @@ def test_dp2_lockstep_dummy_batches_write_nothing_foreign_until_a_stale_one_runs
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, kv_checksums="full") as dp:
         dp.generate([prompt(4, 3 * BLOCK), prompt(5, 20)], [long, GREEDY], rank_of=[0, 1])
+        wait_stats(dp.engine, wave_over, what="the wave's last stats")  # ranks report as a wave ends
         clean = dp.engine.stats
-        assert clean[1].dummy_batches >= 20 and clean[0].sealed_blocks > 0
-        assert [(s.foreign_writes, sum(n for _, n in s.checksum_mismatches)) for s in clean.values()] == [(0, 0)] * 2
+        assert clean[1].dummy_batches >= 20 and clean[0].integrity.sealed_blocks > 0
+        assert [(s.integrity.foreign_writes, sum(n for _, n in s.integrity.checksum_mismatches)) for s in clean.values()] == [(0, 0)] * 2
         # Armed now; it fires on rank 1's first dummy batch after its next real step.
         dp.engine.inject_fault(1, Fault(kind="stale_slot_dummy"))
+        steps = clean[0].steps
         dp.generate([prompt(6, 3 * BLOCK), prompt(7, 10)], [long, GREEDY], rank_of=[0, 1])
+        wait_stats(dp.engine, lambda st: wave_over(st) and st[0].steps > steps, what="the wave's last stats")
         stats = dp.engine.stats
-        assert stats[0].foreign_writes == 0 and stats[1].foreign_writes >= 1
-        assert all(n == 0 for s in stats.values() for _, n in s.nan_detections)
+        assert stats[0].integrity.foreign_writes == 0 and stats[1].integrity.foreign_writes >= 1
+        assert all(n == 0 for s in stats.values() for _, n in s.integrity.nan_detections)
 
 
 def test_fail_policy_trips_on_a_mismatch(path):
     core = make_core(path, kv_checksums="full", nan_policy="fail")
     core.add_request(EngineRequest("a", prompt(8, 2 * BLOCK + 1), GREEDY))
     core.step()
-    assert not core.stats().nan_policy_tripped
+    assert not core.stats().integrity.nan_policy_tripped
     core.inject_fault(Fault(kind="bitflip", block=-1, target="latent" if core.config.model.is_mla else "v"))
     core.step()
-    assert core.stats().nan_policy_tripped  # the front end's /ready answers 503 from here on
+    assert core.stats().integrity.nan_policy_tripped  # the front end's /ready answers 503 from here on

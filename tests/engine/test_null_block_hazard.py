@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.worker.kv_cache import layer_tensors
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ def test_nan_in_null_block_corrupts_padded_requests(path):
     # The request whose padding reads block 0 is ruined (0 x NaN = NaN) ...
     assert any(math.isnan(v) for v in dirty["short"][1])
     assert dirty["short"] != clean["short"]
-    assert core.corrupted_requests > 0
+    assert core.integrity.corrupted_requests > 0
     # ... the one that never reads padding is untouched: it is the padding that spreads it.
     assert dirty["long"] == clean["long"]
 

@@ -13,7 +13,7 @@ from service.demo.tokenizer import EOS_ID, build_tokenizer_json
 from engine.messages import EngineCoreOutput
 from engine.frontend.output_processor import IncrementalDetokenizer, RequestState
 from engine.sampling_params import SamplingParams
-from engine.frontend.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 HYPO = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,4 +1,4 @@
-"""One device per DP rank (engine/dp/placement.py), without a GPU: which device each local rank
+"""One device per DP rank (engine/placement.py), without a GPU: which device each local rank
 gets, the start-up refusals (in EngineConfig.create, in the clients before anything is bound or
 spawned, and in the rank itself), and the torch.distributed backend chosen from the device."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.dp import client as dp_client
 from engine.dp.async_client import AsyncEngineClient
-from engine.dp.placement import (check_device_name, check_placement, process_group_backend, rank_device,
+from engine.placement import (check_device_name, check_placement, process_group_backend, rank_device,
                                  visible_cuda_devices)
 from engine.dp.rank import place_rank
 

@@ -12,7 +12,7 @@ import torch
 
 import engine.ops.attention as attention
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.request import Request
+from engine.request import Request
 from engine.sampling_params import SamplingParams as SP
 from engine.worker.sampler import Sampler
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from service.demo.tokenizer import EOS_ID
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.frontend.llm import LLM
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams as SP

@@ -9,10 +9,10 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.paging import NULL_BLOCK_ID
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.frontend.llm import LLM
 from engine.messages import EngineRequest
-from engine.core.request import Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 

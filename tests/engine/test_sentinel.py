@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.ops import cpu_ops
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.paging import PAD_SLOT_ID, slots_for_positions
 from engine.worker.batch_builder import BatchBuilder
 from engine.worker.kv_cache import layer_tensors
@@ -26,7 +26,7 @@ def make_core(path: str, **kwargs) -> EngineCore:
 
 
 def nan_values(core: EngineCore) -> dict[tuple[int, str], int]:
-    return {(layer, region): v for layer, region, v in core.stats().nan_values if v}
+    return {(layer, region): v for layer, region, v in core.stats().integrity.nan_values if v}
 
 
 def drain(core: EngineCore) -> list:
@@ -45,8 +45,8 @@ def path(request, checkpoint):
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 def test_poison_found_within_coverage_bound(path, kind, dtype):
     core = make_core(path, dtype=dtype)
-    assert core.sentinel.uses_kernel == (dtype == "bfloat16" and cpu_ops.available())
-    bound = core.sentinel.coverage_steps
+    assert core.integrity.sentinel.uses_kernel == (dtype == "bfloat16" and cpu_ops.available())
+    bound = core.integrity.sentinel.coverage_steps
     assert bound == -(-39 // 4)
     rng = random.Random(kind)
     is_mla = core.config.model.is_mla
@@ -63,8 +63,8 @@ def test_poison_found_within_coverage_bound(path, kind, dtype):
         else:
             pytest.fail(f"{kind} in layer {layer} block {block} not found within {bound} steps")
         assert nan_values(core) == {(layer, region): 1}
-        assert dict(core.stats().nan_detections)[region] >= 1
-        core.sentinel.zero_block(block)  # clean up for the next trial
+        assert dict(core.stats().integrity.nan_detections)[region] >= 1
+        core.integrity.sentinel.zero_block(block)  # clean up for the next trial
         core.run_dummy(1)
         core.run_dummy(1)
         for _ in range(bound):
@@ -88,9 +88,9 @@ def test_clean_traffic_reports_nothing(checkpoint):
         steps += 1
     drain(core)
     stats = core.stats()
-    assert all(v == 0 for _, _, v in stats.nan_values)
-    assert dict(stats.nan_detections) == {"null_block": 0, "allocated": 0}
-    assert stats.null_block_writes == 0 and stats.corrupted_requests == 0
+    assert all(v == 0 for _, _, v in stats.integrity.nan_values)
+    assert dict(stats.integrity.nan_detections) == {"null_block": 0, "allocated": 0}
+    assert stats.integrity.null_block_writes == 0 and stats.integrity.corrupted_requests == 0
 
 
 def test_heal_aborts_owners_zeroes_block_and_forgets_prefix(checkpoint):
@@ -108,7 +108,7 @@ def test_heal_aborts_owners_zeroes_block_and_forgets_prefix(checkpoint):
     for entry in core.runner.kv_caches:
         for t in layer_tensors(entry):
             assert torch.count_nonzero(t[victim_block]) == 0
-    assert core.heals >= 1 and core.corrupted_requests == 1
+    assert core.integrity.heals >= 1 and core.integrity.corrupted_requests == 1
     # A later request with the same prefix must not reuse the poisoned block.
     core.add_request(EngineRequest("c", shared + [41], GREEDY))
     core.step()
@@ -121,8 +121,8 @@ def test_heal_zeroes_poisoned_null_block(checkpoint):
     core = make_core(checkpoint("tiny-llama"), nan_policy="heal")
     core.inject_fault(Fault("legacy_dummy"))
     core.run_dummy(8)  # the old broken dummy batch: writes garbage into block 0
-    assert core.stats().null_block_writes > 0
-    assert core.heals == 1
+    assert core.stats().integrity.null_block_writes > 0
+    assert core.integrity.heals == 1
     for entry in core.runner.kv_caches:
         for t in layer_tensors(entry):
             assert torch.count_nonzero(t[0]) == 0
@@ -137,14 +137,14 @@ def test_legacy_dummy_fault_breaks_exactly_the_next_dummy_batch(path):
     core.inject_fault(Fault("legacy_dummy"))  # armed twice: still one broken batch
     core.add_request(EngineRequest("a", [5, 6, 7], GREEDY))
     core.step()
-    assert core.stats().null_block_writes == 0 and nan_values(core) == {}
+    assert core.stats().integrity.null_block_writes == 0 and nan_values(core) == {}
     core.run_dummy(4)
-    assert core.stats().null_block_writes == 4 * layers
+    assert core.stats().integrity.null_block_writes == 4 * layers
     assert {region for _, region in nan_values(core)} == {"null_block"}
     assert type(core.runner.builder) is BatchBuilder  # the real builder is back
-    core.sentinel.zero_block(0)
+    core.integrity.sentinel.zero_block(0)
     core.run_dummy(4)
-    assert core.stats().null_block_writes == 4 * layers
+    assert core.stats().integrity.null_block_writes == 4 * layers
     assert nan_values(core) == {}
     outs = drain(core)
     assert outs[-1].finish_reason == "length"
@@ -155,8 +155,8 @@ def test_sentinel_is_given_the_slots_each_step_wrote(checkpoint, monkeypatch):
     a real step's token slots, a dummy batch's all-PAD_SLOT_ID mapping, nothing for an idle scan."""
     core = make_core(checkpoint("tiny-llama"))
     seen = []
-    scan = core.sentinel.step
-    monkeypatch.setattr(core.sentinel, "step", lambda slots, block_size: seen.append(slots) or scan(slots, block_size))
+    scan = core.integrity.sentinel.step
+    monkeypatch.setattr(core.integrity.sentinel, "step", lambda slots, block_size: seen.append(slots) or scan(slots, block_size))
     core.add_request(EngineRequest("a", list(range(5, 15)), GREEDY))
     core.step()  # the prefill: positions 0..9
     blocks = np.asarray(core.scheduler.requests["a#0"].block_ids, dtype=np.int64)
@@ -173,9 +173,9 @@ def test_fail_policy_trips_and_count_policy_does_not(checkpoint):
     for policy, tripped in (("fail", True), ("count", False)):
         core = make_core(checkpoint("tiny-llama"), nan_policy=policy)
         core.inject_fault(Fault("inf", layer=0, block=0, target="k"))
-        for _ in range(core.sentinel.null_block_steps):  # a write from outside the KV writer
+        for _ in range(core.integrity.sentinel.null_block_steps):  # a write from outside the KV writer
             core.run_dummy(1)
-        assert core.stats().nan_policy_tripped is tripped
+        assert core.stats().integrity.nan_policy_tripped is tripped
         assert nan_values(core) == {(0, "null_block"): 1}
 
 
@@ -185,28 +185,28 @@ def test_null_block_scanned_every_n_steps_and_whenever_the_writer_wrote_there(ch
     that same step whatever the phase."""
     every = 8
     core = make_core(checkpoint("tiny-llama"), nan_sentinel="null-block", nan_scan_null_every=every)
-    assert core.sentinel.null_block_steps == every and core.sentinel.coverage_steps == 0
+    assert core.integrity.sentinel.null_block_steps == every and core.integrity.sentinel.coverage_steps == 0
     core.inject_fault(Fault("nan", layer=1, block=0, target="v"))
     for step in range(1, every + 1):
         core.run_dummy(2)
         assert bool(nan_values(core)) == (step == every), f"step {step}"
     assert nan_values(core) == {(1, "null_block"): 1}
-    core.sentinel.zero_block(0)
+    core.integrity.sentinel.zero_block(0)
     for _ in range(every):
         core.run_dummy(2)
     assert nan_values(core) == {}
     core.run_dummy(2)  # phase 1 of 8: not due on its own
     core.inject_fault(Fault("legacy_dummy"))
     core.run_dummy(4)
-    assert core.stats().null_block_writes == 4 * core.config.model.num_layers
+    assert core.stats().integrity.null_block_writes == 4 * core.config.model.num_layers
     assert {region for _, region in nan_values(core)} == {"null_block"}
 
 
 def test_null_block_period_defaults_by_device_and_rejects_negatives(checkpoint):
     core = make_core(checkpoint("tiny-llama"))
-    assert core.sentinel.null_block_steps == 4  # auto on CPU
-    assert core.sentinel.coverage_steps == -(-39 // 4)
-    assert make_core(checkpoint("tiny-llama"), nan_sentinel="full").sentinel.null_block_steps == 1
-    assert make_core(checkpoint("tiny-llama"), nan_sentinel="off").sentinel.null_block_steps == 0
+    assert core.integrity.sentinel.null_block_steps == 4  # auto on CPU
+    assert core.integrity.sentinel.coverage_steps == -(-39 // 4)
+    assert make_core(checkpoint("tiny-llama"), nan_sentinel="full").integrity.sentinel.null_block_steps == 1
+    assert make_core(checkpoint("tiny-llama"), nan_sentinel="off").integrity.sentinel.null_block_steps == 0
     with pytest.raises(ValueError, match="nan_scan_null_every"):
         EngineConfig.create(checkpoint("tiny-llama"), nan_scan_null_every=-1)

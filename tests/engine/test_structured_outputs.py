@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.grammar import GrammarError, compiler_for
 from engine.structured.spec import StructuredOutputs
 from service.demo import default_demo_path
-from tests.engine.structured_schemas import SCHEMAS
+from benchmarks.structured_schemas import SCHEMAS
 
 MAX_TOKENS = 96
 

@@ -1,10 +1,10 @@
-"""The rolling sweep's time budget (engine/worker/sweep.py): what it grants, on a simulated clock."""
+"""The rolling sweep's time budget (engine/integrity/sweep.py): what it grants, on a simulated clock."""
 from __future__ import annotations
 
 import random
 
 from engine.paging import FIRST_USABLE_BLOCK_ID
-from engine.worker.sweep import RollingSweep, ScanBudget
+from engine.integrity.sweep import RollingSweep, ScanBudget
 
 
 def run(budget: ScanBudget, step_seconds, block_seconds: float, steps: int, seed: int = 0):

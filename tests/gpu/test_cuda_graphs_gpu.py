@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest
 from engine.paging import NULL_BLOCK_ID
 from engine.sampling_params import SamplingParams

@@ -2,17 +2,22 @@
 checksums and foreign writes (no server: Metrics is fed StepStats directly)."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.integrity.stats import IntegrityStats
 from engine.messages import StepStats
 from service.metrics import Metrics
 
 
 def step_stats(rank: int = 0, **fields) -> StepStats:
+    """StepStats of `rank`; fields of IntegrityStats go into its `integrity`."""
     base = dict(rank=rank, steps=10, dummy_batches=0, padded_tokens=0, num_running=0, num_waiting=0,
-                kv_usage=0.0, prefix_queries=0, prefix_hits=0, preemptions=0, null_block_writes=0)
-    return StepStats(**(base | fields))
+                kv_usage=0.0, prefix_queries=0, prefix_hits=0, preemptions=0)
+    names = {f.name for f in msgspec.structs.fields(IntegrityStats)}
+    integrity = IntegrityStats(**{k: v for k, v in fields.items() if k in names})
+    return StepStats(**(base | {k: v for k, v in fields.items() if k not in names}), integrity=integrity)
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:

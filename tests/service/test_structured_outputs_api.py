@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from engine.gguf.default_model import DEFAULT_MODEL_NAME as MODEL
-from tests.engine.structured_schemas import SCHEMAS
+from benchmarks.structured_schemas import SCHEMAS
 from tests.service.server_process import ServerProcess
 
 WEATHER = {"type": "function", "function": {

@@ -1,8 +1,14 @@
-"""A request as the scheduler sees it: it owns its KV bookkeeping."""
+"""The step data the scheduler hands down to execution: a request (it owns its KV
+bookkeeping) and a step's schedule.
+
+Data only: both sides import it (engine/core/ schedules, engine/worker/ executes), and it
+imports neither, so neither imports the other.
+"""
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,3 +81,17 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.key}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"blocks={self.block_ids}, {self.status.value})")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)

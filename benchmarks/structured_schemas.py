@@ -1,4 +1,4 @@
-"""JSON schemas of varied shape, with a question each, for the structured-output tests."""
+"""JSON schemas of varied shape, with a question each: the structured-output tests and benchmarks/structured_overhead.py use them."""
 from __future__ import annotations
 
 SCHEMAS: list[tuple[str, dict]] = [

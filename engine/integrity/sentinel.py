@@ -33,16 +33,17 @@ from engine.paging import FIRST_USABLE_BLOCK_ID, NULL_BLOCK_ID, blocks_written
 from engine.ops import cpu_ops
 from engine.ops.checksum import block_words
 from engine.ops.nonfinite import KINDS, nonfinite_counts_into
-from engine.worker.kv_cache import block_axis
-from engine.worker.sweep import RollingSweep, ScanBudget
+from engine.integrity.regions import Region
+from engine.integrity.sweep import RollingSweep, ScanBudget
 
 
 class NaNSentinel:
-    def __init__(self, config: EngineConfig, storage: torch.Tensor,
+    def __init__(self, config: EngineConfig, storage: torch.Tensor, axis: int,
                  null_block_writes: torch.Tensor | None = None):  # [1] int64, the KV writer's counter
+        """`axis`: the dimension of `storage` that indexes blocks (engine/worker/kv_cache.py)."""
         self.mode = config.nan_sentinel
         self.is_mla = config.model.is_mla
-        self.axis = block_axis(config)
+        self.axis = axis
         # [num_blocks, num_layers, (2,) block_size, ...]: blocks first, so a block range is one slice.
         self.by_block = storage.movedim(self.axis, 0)
         # The same bytes as int32 words, for the scan kernel (csrc/cpu_nonfinite.cpp).
@@ -66,7 +67,7 @@ class NaNSentinel:
         self._outs: list[torch.Tensor] = []
         self._window = 0  # blocks in this step's sweep window
         self.any_counted = False
-        self.detections = {"null_block": 0, "allocated": 0}
+        self.detections = {Region.NULL_BLOCK: 0, Region.ALLOCATED: 0}
         self.scan_seconds: list[float] = []
 
     @functools.cached_property
@@ -200,7 +201,7 @@ class NaNSentinel:
             newly = ((counts.sum(0) > 0) & (previous.sum(0) == 0)).tolist()
             poisoned = [b for b, new in zip(ids, newly) if new]
             for block in poisoned:
-                self.detections["null_block" if block == NULL_BLOCK_ID else "allocated"] += 1
+                self.detections[Region.NULL_BLOCK if block == NULL_BLOCK_ID else Region.ALLOCATED] += 1
             self.any_counted = bool(self.counts.any())
         self.scan_seconds.append(time.perf_counter() - start)
         if self.sweep.time_budget is not None and window_seconds is not None:
@@ -220,8 +221,8 @@ class NaNSentinel:
         """(layer, region, non-finite values present at the last scan) for the gauge."""
         null = self.counts[:, NULL_BLOCK_ID].tolist()
         allocated = self.counts[:, FIRST_USABLE_BLOCK_ID:].sum(1).tolist()
-        return ([(layer, "null_block", v) for layer, v in enumerate(null)]
-                + [(layer, "allocated", v) for layer, v in enumerate(allocated)])
+        return ([(layer, Region.NULL_BLOCK.value, v) for layer, v in enumerate(null)]
+                + [(layer, Region.ALLOCATED.value, v) for layer, v in enumerate(allocated)])
 
     def zero_block(self, block_id: int) -> None:
         self.by_block[block_id].zero_()

@@ -21,14 +21,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.ops.checksum import block_checksums, block_words, make_multipliers
-from engine.worker.kv_cache import block_axis
-from engine.worker.sweep import RollingSweep
+from engine.integrity.sweep import RollingSweep
 
 
 class BlockChecksums:
-    def __init__(self, config: EngineConfig, storage: torch.Tensor):
+    def __init__(self, config: EngineConfig, storage: torch.Tensor, axis: int):
+        """`axis`: the dimension of `storage` that indexes blocks (engine/worker/kv_cache.py)."""
         self.mode = config.kv_checksums
-        self.words = block_words(storage, block_axis(config))  # [num_blocks, num_layers, chunks, words] int32
+        self.words = block_words(storage, axis)  # [num_blocks, num_layers, chunks, words] int32
         self.multipliers = make_multipliers(self.words)          # [2, chunks, words] int32
         self.num_blocks = config.num_blocks
         self.sweep = RollingSweep(self.num_blocks, config.kv_checksum_blocks_per_step)
