@@ -113,7 +113,7 @@ ENV KVSENTRY_EXTENSION_DIR=/opt/kvsentry-ops \
     KVSENTRY_CPU_ARCH=AVX2 \
     TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 RUN KVSENTRY_CSRC_DIR=/src/csrc python -c \
-    "import torch; from engine.ops import cuda_ops; print(cuda_ops.build(with_cuda=torch.version.cuda is not None))"
+    "import torch; from engine.ops import registry; print(registry.build(with_cuda=torch.version.cuda is not None))"
 
 # ---- runtime --------------------------------------------------------------------
 # hadolint ignore=DL3006

@@ -1,4 +1,4 @@
-"""The bf16 linears of a decode step: csrc/cpu_bf16_gemm.cpp's panel GEMM beside oneDNN.
+"""The bf16 linears of a decode step: csrc/cpu/cpu_bf16_gemm.cpp's panel GEMM beside oneDNN.
 
     .venv/bin/python benchmarks/bf16_gemm.py            # the default model's shapes, 1 thread
 
@@ -13,7 +13,7 @@ sums (only the summation order may differ).
     .venv/bin/python benchmarks/bf16_gemm.py --quant   # the weights as the default model holds them
 
 --quant: the weights are GGUF Q4_1 blocks (gguf's reference quantizer), the panels those blocks
-(csrc/cpu_quant_panels.h) and oneDNN the dequantized bf16 weight; GB/s counts the blocks' bytes.
+(csrc/cpu/cpu_quant_panels.h) and oneDNN the dequantized bf16 weight; GB/s counts the blocks' bytes.
 Needs a CPU with AVX-512F.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from common import best
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.ops import cpu_ops  # noqa: E402
+from engine.ops import registry  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 
@@ -44,7 +44,7 @@ def quantized(weights: list[list[torch.Tensor]]) -> tuple[list, list]:
             raw = np.ascontiguousarray(gguf.quantize(w.float().numpy(), q4_1))
             values = np.array(gguf.dequantize(raw, q4_1), dtype=np.float32).reshape(w.shape)
             dense[-1].append(torch.from_numpy(values).bfloat16())
-            blocks[-1].append(torch.ops.kvsentry.quant_panels_pack(torch.from_numpy(raw), int(q4_1), w.shape[1]))
+            blocks[-1].append(registry.op("quant_panels_pack")(torch.from_numpy(raw), int(q4_1), w.shape[1]))
     return dense, blocks
 
 
@@ -56,19 +56,21 @@ def main() -> int:
     parser.add_argument("--quant", action="store_true", help="Q4_1 blocks as the panels (the default model's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_ops.available() or not torch.ops.kvsentry.bf16_gemm_supported():
+    # The debug flavour of the library: its bf16_gemm_with runs each kernel by name.
+    debug = registry.debug_ops()
+    if not registry.available("bf16_gemm", "cpu") or not registry.op("bf16_gemm_supported")():
         print("no AVX-512F here (or no csrc build): nothing to compare")
         return 0
     g = torch.Generator().manual_seed(0)
     weights = [[(torch.randn(o, i, generator=g) * 0.05).bfloat16() for o, i in SHAPES] for _ in range(args.layers)]
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
-    panels = [[torch.ops.kvsentry.bf16_gemm_pack(w) for w in layer] for layer in weights]
+    panels = [[registry.op("bf16_gemm_pack")(w) for w in layer] for layer in weights]
     weight_bytes = sum(o * i for o, i in SHAPES) * 2 * args.layers
     if args.quant:
         weights, panels = quantized(weights)
         onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
         weight_bytes = sum(p.numel() for layer in panels for p in layer)
-    kernels = list(torch.ops.kvsentry.bf16_gemm_kernels())
+    kernels = list(registry.op("bf16_gemm_kernels")())
     print(f"{args.layers} layers x {SHAPES}, {weight_bytes / 1e6:.0f} MB of {'Q4_1' if args.quant else 'bf16'} weights, {args.threads} thread(s), "
           f"panel kernels here: {', '.join(kernels)}")
     header = f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'GFLOP/s':>8}"
@@ -84,7 +86,7 @@ def main() -> int:
                     for layer in onednn for w, x in zip(layer, xs)]
 
         def run_panels(kernel):
-            return [torch.ops.kvsentry.bf16_gemm_with(x, p, None, o, kernel)
+            return [debug.bf16_gemm_with(x, p, None, o, kernel)
                     for layer in panels for p, x, (o, _) in zip(layer, xs, SHAPES)]
 
         flop = 2 * rows * sum(o * i for o, i in SHAPES) * args.layers

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.ops import cuda_ops, registry  # noqa: E402
 from engine.ops.kv_writer import write_kv_reference, write_mla_reference  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -141,13 +142,13 @@ def run_kernels(args, device: torch.device, timer) -> list[Row]:
             tensors, moved, input_bytes = problem(args, num_tokens, device, cache_dtype)
             if is_kv:
                 def kernel():
-                    torch.ops.kvsentry.reshape_and_cache_flash(*tensors, None, scale)
+                    registry.op("reshape_and_cache_flash")(*tensors, None, scale)
 
                 def reference():
                     write_kv_reference(*tensors, None, scale)
             else:
                 def kernel():
-                    torch.ops.kvsentry.concat_and_cache_mla(*tensors, None, scale)
+                    registry.op("concat_and_cache_mla")(*tensors, None, scale)
 
                 def reference():
                     write_mla_reference(*tensors, None, scale)
@@ -207,7 +208,6 @@ def main(argv=None) -> int:
         device = "CPU: torch reference only, no kernel measured"
         print_table(rows, device)
     else:
-        from engine.ops import cuda_ops
         if not cuda_ops.available():
             print("CUDA is present but the kvsentry CUDA ops did not build (see the warning above).")
             return 1

@@ -1,4 +1,8 @@
-"""Every KVSENTRY_* environment variable, read here and nowhere else.
+"""Every KVSENTRY_* environment variable. The engine's and the server's (VARIABLES) are read
+here and nowhere else; the repository's tooling variables (TOOLING: the test runner, CI, the GPU
+check and image scripts) are declared here too, and read by the script that owns each (a shell
+script cannot ask this module). tests/test_architecture.py holds every KVSENTRY_* name in the
+repository to these two lists. What each operator switch is for: docs/kernels.md.
 
 Each is read when asked for (not at import), so a process sees its own environment and a
 test may set one for a single call. The CLI and the config never read the environment
@@ -35,13 +39,24 @@ VARIABLES = (
     EnvVar("KVSENTRY_DISABLE_PREFILL_TILES", "=1: prefill attention skips the tiled prefill kernel (AMX or "
            "AVX-512F tiles; the decode kernel's rows or SDPA instead)"),
     EnvVar("KVSENTRY_DISABLE_HUGE_PAGES", "=1: packed CPU weights and the CPU KV cache on torch's allocator, "
-           "not on transparent huge pages (engine/worker/huge_pages.py)"),
-    EnvVar("KVSENTRY_DEFAULT_MALLOC", "=1: leave glibc's malloc settings alone (engine/worker/host_memory.py)"),
+           "not on transparent huge pages (engine/memory/huge_pages.py)"),
+    EnvVar("KVSENTRY_DEFAULT_MALLOC", "=1: leave glibc's malloc settings alone (engine/memory/host_memory.py)"),
     EnvVar("KVSENTRY_REQUIRE_CPU_OPS", "=1: a failed CPU kernel build is an error, never a fallback"),
     EnvVar("KVSENTRY_DISABLE_CUDA_OPS", "=1: never use the CUDA kernels (the torch reference runs)"),
     EnvVar("KVSENTRY_REQUIRE_CUDA_OPS", "=1: a failed CUDA kernel build is an error, never a fallback"),
+    EnvVar("KVSENTRY_DEBUG_OPS", "=1: load the test build of the csrc/ library, with its kvsentry_debug op "
+           "namespace (the test suite sets it; a server never needs it)"),
 )
-_NAMES = {v.name for v in VARIABLES}
+TOOLING = (
+    EnvVar("KVSENTRY_REQUIRE_CSRC_BUILD", "=1 (CI): a missing C++/CUDA toolchain fails tests/csrc/ instead of "
+           "skipping it (tests/csrc/conftest.py, through require_csrc_build)"),
+    EnvVar("KVSENTRY_TEST_WORKERS", "pytest-xdist workers of scripts/test (default 2; 0: one process)"),
+    EnvVar("KVSENTRY_WHEELS", "where scripts/gpu_wheels.sh writes, and scripts/gpu_check.sh reads, the "
+           "wheels carried to a GPU machine (default .whl)"),
+    EnvVar("KVSENTRY_WHEEL_SITE", "the private site directory scripts/gpu_check.sh installs those wheels into"),
+    EnvVar("KVSENTRY_IMAGE_CACHE", "where scripts/image_base.sh keeps saved base images (default ~/.cache/kvsentry)"),
+)
+_NAMES = {v.name for v in VARIABLES} | {"KVSENTRY_REQUIRE_CSRC_BUILD"}
 
 
 def _get(name: str) -> str | None:
@@ -115,3 +130,11 @@ def disable_cuda_ops() -> bool:
 
 def require_cuda_ops() -> bool:
     return _flag("KVSENTRY_REQUIRE_CUDA_OPS")
+
+
+def debug_ops() -> bool:
+    return _flag("KVSENTRY_DEBUG_OPS")
+
+
+def require_csrc_build() -> bool:
+    return _flag("KVSENTRY_REQUIRE_CSRC_BUILD")

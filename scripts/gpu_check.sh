@@ -126,6 +126,7 @@ EOF
 
 export KVSENTRY_EXTENSION_DIR=${KVSENTRY_EXTENSION_DIR:-$PWD/build/torch_extensions}
 export KVSENTRY_REQUIRE_CUDA_OPS=1          # a failed build is an error, never a silent fallback
+export KVSENTRY_DEBUG_OPS=1                  # the test build, which tests/gpu loads too: one compile
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
   TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
@@ -136,9 +137,9 @@ echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS KVSENTRY_EXT
 run_step build 300 build.log -- "$PY" - <<'EOF'
 import time, torch
 t = time.time()
-from engine.ops import cuda_ops
-path = cuda_ops.build(with_cuda=True, verbose=True)
-assert torch.ops.kvsentry.built_with_cuda(), "the loaded library is the CPU-only build"
+from engine.ops import cuda_ops, registry
+path = registry.build(with_cuda=True, verbose=True)
+assert registry.op("built_with_cuda")(), "the loaded library is the CPU-only build"
 assert cuda_ops.available()
 print(f"built {path} in {time.time() - t:.1f}s")
 EOF

@@ -135,8 +135,9 @@ class OpImplementationCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = InfoMetricFamily("kvsentry_op_implementation",
-                                  "Implementation an op runs on a DP rank: a csrc kernel, or the torch "
-                                  "reference (by design, or because the kernel is disabled or failed to build).",
+                                  "Implementation an op runs on a DP rank (engine/ops/registry.py): a csrc "
+                                  "kernel or its fallback (by design, or because the kernel is disabled or "
+                                  "failed to build); the GEMM path of each linear kind; CUDA graphs on or off.",
                                   labels=["model_name", "engine", "op"])
         for rank, ops in sorted(dict(self.implementations()).items()):
             for op, implementation in sorted(ops.items()):

@@ -117,7 +117,8 @@ class AppState:
                   data_parallel_size=self.config.parallel.data_parallel_size,
                   num_blocks=self.config.num_blocks, max_model_len=self.config.max_model_len)
         for rank, implementations in sorted(self.client.op_implementations.items()):
-            # A kernel that failed to build runs as the torch reference: same results, less speed.
+            # A kernel that is off or failed to build runs its fallback (engine/ops/registry.py):
+            # slower, and for attention and the GEMMs equal only within a tolerance.
             fallbacks = falling_back(implementations, self.config.device)
             log_event(logger, "rank_ops", logging.WARNING if fallbacks else logging.INFO, rank=rank,
                       ops=describe(implementations), fallbacks=fallbacks)

@@ -11,6 +11,9 @@ import torch
 torch.set_num_threads(1)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The csrc/ library's test build: the production ops plus the kvsentry_debug namespace (switches
+# that reach each kernel path on one CPU). Set before anything loads it, subprocesses inherit it.
+os.environ.setdefault("KVSENTRY_DEBUG_OPS", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Random weights at std 0.02 give near-uniform logits whose top two tokens can tie

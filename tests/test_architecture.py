@@ -204,7 +204,7 @@ def test_environment_read_in_one_module():
     assert not offenders, f"KVSENTRY_* read outside engine/envs.py: {offenders}"
     from engine import envs
     mentioned = set(re.findall(r"(?<!-D)KVSENTRY_[A-Z0-9_]+", "".join(p.read_text() for p in _modules().values())))
-    declared = {v.name for v in envs.VARIABLES}
+    declared = {v.name for v in envs.VARIABLES + envs.TOOLING}
     assert mentioned <= declared, f"undeclared in engine/envs.py: {sorted(mentioned - declared)}"
 
 
@@ -222,3 +222,77 @@ def test_engine_tree_has_a_package_per_concern():
               "placement.py", "request.py", "sampling_params.py", "tokenizer.py"}
     flat = {p.name for p in (ROOT / "engine").glob("*.py")}
     assert flat <= shared, f"engine/ root holds {sorted(flat - shared)}: put modules in their concern's package"
+
+
+# --- the kernel registry (engine/ops/registry.py) ---
+
+REGISTRY_MODULE = ROOT / "engine" / "ops" / "registry.py"
+# torch.ops.kvsentry, by attribute or by getattr; the test build's kvsentry_debug namespace is another name.
+PRODUCTION_OP = re.compile(r"torch\.ops\.kvsentry\b(?!_debug)")
+
+
+def _code_files(*folders: str) -> list[Path]:
+    files = []
+    for folder in folders:
+        files += [p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in (".py", ".sh", "")]
+    return files
+
+
+def test_production_ops_are_reached_through_the_registry_only():
+    """Only the registry's module names torch.ops.kvsentry: the dispatch, the build and the report
+    come from its table, so a kernel is one row there."""
+    offenders = [str(p.relative_to(ROOT)) for p in _code_files("engine", "service", "benchmarks", "scripts")
+                 if p != REGISTRY_MODULE and PRODUCTION_OP.search(p.read_text(errors="ignore"))]
+    assert not offenders, f"torch.ops.kvsentry outside engine/ops/registry.py: {offenders}"
+
+
+def test_the_detector_finds_a_direct_op_call():
+    assert PRODUCTION_OP.search("y = torch.ops.kvsentry.bf16_gemm(x, w, None, n)")
+    assert PRODUCTION_OP.search('getattr(torch.ops.kvsentry, "rms_norm")')
+    assert not PRODUCTION_OP.search("torch.ops.kvsentry_debug.cpu_bf16_dot(False)")
+
+
+def test_every_source_under_csrc_is_in_one_registry_row():
+    from engine.ops import registry
+    on_disk = {str(p.relative_to(ROOT / "csrc")) for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".cu")}
+    listed = set(registry.COMMON_SOURCES) | {s for k in registry.KERNELS for s in k.sources}
+    assert on_disk == listed, f"on disk only: {sorted(on_disk - listed)}; listed only: {sorted(listed - on_disk)}"
+    assert set(registry.sources(with_cuda=True)) == listed
+    assert "cuda/cache_kernels.cu" not in registry.sources(with_cuda=False)
+
+
+def test_every_registered_op_is_in_the_registry_or_the_debug_namespace():
+    """Load the library (the test build) and read what it registers from torch's dispatcher."""
+    import torch
+    from engine.ops import cpu_ops, registry
+    if not cpu_ops.available():
+        import pytest
+        pytest.fail("the csrc/ library did not build or load (see the warning in the log)")
+    registered = [name.split("::") for name in torch._C._dispatch_get_all_op_names()
+                  if name.split("::")[0] in ("kvsentry", "kvsentry_debug")]
+    production = {op.split(".")[0] for namespace, op in registered if namespace == "kvsentry"}
+    debug = {op.split(".")[0] for namespace, op in registered if namespace == "kvsentry_debug"}
+    assert production <= registry.SCHEMAS, f"registered but in no registry row: {sorted(production - registry.SCHEMAS)}"
+    assert registry.SCHEMAS <= production, f"in the registry but not registered: {sorted(registry.SCHEMAS - production)}"
+    # The test switches live in the debug namespace, never in the production one.
+    switches = {"cpu_bf16_dot", "cpu_attention_amx", "bf16_gemm_with", "norm_sum_lanes",
+                "plan_reshape_and_cache_flash", "plan_concat_and_cache_mla"}
+    assert switches <= debug and not switches & production
+
+
+def test_every_kvsentry_variable_in_the_repository_is_declared():
+    """The engine's variables and the tooling's (scripts, CI) are all in engine/envs.py; C
+    preprocessor names (-DKVSENTRY_*, header guards) are the compiler's, not the environment's."""
+    from engine import envs
+    files = _code_files("engine", "service", "benchmarks", "scripts", "tests", ".ci") + [ROOT / "Dockerfile"]
+    files += list((ROOT / "deploy").rglob("*.yaml"))
+    found = {}
+    for path in files:
+        for name in re.findall(r"(?<!-D)\bKVSENTRY_[A-Z0-9_]+", path.read_text(errors="ignore")):
+            found.setdefault(name, str(path.relative_to(ROOT)))
+    compiler = {"KVSENTRY_WITH_CUDA", "KVSENTRY_DEBUG_OPS"}  # also declared, for the build flavour
+    # Kubernetes injects <SERVICE>_PORT for a Service named kvsentry; the deployment turns that off.
+    injected = {"KVSENTRY_PORT"}
+    declared = {v.name for v in envs.VARIABLES + envs.TOOLING} | compiler | injected
+    undeclared = {name: where for name, where in found.items() if name not in declared}
+    assert not undeclared, f"KVSENTRY_* names declared nowhere in engine/envs.py: {undeclared}"

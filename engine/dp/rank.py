@@ -38,7 +38,6 @@ from engine.engine_core.engine_core import EngineCore
 from engine.placement import process_group_backend, rank_device, visible_cuda_devices
 from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
                              RankReady, Shutdown, Wake)
-from engine.ops.implementations import op_implementations
 
 HEARTBEAT_SECONDS = 1.0
 STATS_SECONDS = 0.5  # the longest a busy rank's stats go unreported
@@ -228,7 +227,7 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         inputs.setsockopt(zmq.LINGER, 0)
         inputs.connect(input_addr)
         # Sent on the DEALER so that, once the front end sees it, its ROUTER can route to us.
-        ready = RankReady(rank, config.num_blocks, os.getpid(), op_implementations(config.device))
+        ready = RankReady(rank, config.num_blocks, os.getpid(), core.runner.implementations())
         inputs.send(msgspec.msgpack.encode(ready))
         RankLoop(core, inputs, outputs, lockstep=config.lockstep).run()
     except BaseException as exc:  # report why, then die: the group must not hang on us

@@ -12,7 +12,7 @@ Results differ from MKL's in the last bits (another summation order, ~1e-6 of a
 float32 logit), like any two BLAS libraries do.
 
 bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4/5, Intel before Sapphire Rapids):
-every size goes through csrc/cpu_bf16_gemm.cpp instead, with the weight packed in its panels
+every size goes through csrc/cpu/cpu_bf16_gemm.cpp instead, with the weight packed in its panels
 (and not for oneDNN: one copy). It streams the weight at memory speed for decode-sized inputs
 where oneDNN's avx512_core_bf16 kernels do not, and matches them on prefill sizes: over the
 default model's 30 layers on one Zen 5 core (benchmarks/bf16_gemm.py), 1.36x oneDNN at 1 row,
@@ -34,7 +34,7 @@ one Xeon core, the default model's 30 layers: 1.43x oneDNN at 1 row, 1.37x at 8,
 TFLOP/s.
 
 From a GGUF checkpoint (the default model), a Q4_1 or Q8_0 linear's panels are its own blocks
-(csrc/cpu_quant_panels.h), which the same GEMMs dequantize block by block as they go: the
+(csrc/cpu/cpu_quant_panels.h), which the same GEMMs dequantize block by block as they go: the
 products of the very values the dequantized weight holds (checked bit for bit when packing),
 from 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2 (bf16) or 4 (float32). A decode
 step streams its weights, so on one Xeon core the default model's 30 layers at 1 row take
@@ -50,14 +50,14 @@ QUANT_ROWS_BESIDE_DENSE rows, where the weight's bytes decide, and the dense pan
 step, where dequantizing each block again costs more than the bytes it saves and where the
 panels are at least as fast as oneDNN. One Zen 4 core, the default model's 30 layers
 (benchmarks/bf16_gemm.py, with and without --quant, before the 7-row tiles of
-csrc/cpu_bf16_gemm.cpp, which both kinds of panels use; dense panels / blocks / oneDNN ms): 1 row
+csrc/cpu/cpu_bf16_gemm.cpp, which both kinds of panels use; dense panels / blocks / oneDNN ms): 1 row
 8.8 / 8.1 / 16.3, 2 rows 9.1 / 8.4 / 17.6, 3 rows 8.8 / 10.6 / 14.5, 8 rows 11.6 / 13.9 / 18.0,
 32 rows 35.1 / 37.7 / 40.6, 128 rows 129 / 137 / 135, 1024 rows 1015 / - / 1024; its Q8_0 LM
 head (49152 x 576) 2.34 / 2.28 ms at 1 row, 3.10 / 3.85 at 8, 17.8 / 18.5 at 64. The two give
 the same bits (the same products of the same values, summed in the same order).
 
 float32 on CPUs with AVX-512: steps of up to F32_PANEL_MAX_ROWS rows go through
-csrc/cpu_f32_gemm.cpp's 64-output panels, oneDNN beyond, both copies kept
+csrc/cpu/cpu_f32_gemm.cpp's 64-output panels, oneDNN beyond, both copies kept
 (KVSENTRY_DISABLE_F32_PANELS=1 keeps oneDNN's alone, half the memory). On one Xeon core, the
 default model's 30 layers: 1.31x oneDNN at 1 row (12.6 vs 9.7 GB/s of the weights), 1.16x at
 8, 1.13x at 32, 1.08x at 64, 0.94x at 128 and 0.97x at 1024 rows.
@@ -70,7 +70,8 @@ import logging
 
 from engine import envs
 from engine.gguf.weights import QuantRows
-from engine.ops import cpu_ops
+from engine.ops import cpu_ops, registry
+from engine.ops.registry import ONEDNN
 from engine.memory.huge_pages import to_huge_pages
 
 log = logging.getLogger(__name__)
@@ -91,17 +92,19 @@ QUANT_PANEL_MAX_ROWS = {torch.bfloat16: 128, torch.float32: 256}
 QUANT_ROWS_BESIDE_DENSE = 2
 
 
-# The panel GEMM of each dtype: torch.ops.kvsentry.<name>_pack / <name> / <name>_supported.
+# The panel GEMM of each dtype (a registry row): its ops <name>_pack / <name> / <name>_supported.
 _PANEL_OPS = {torch.bfloat16: "bf16_gemm", torch.float32: "f32_gemm"}
+# GGML types whose blocks serve as panels (engine/gguf/weights.py's PANEL_TYPES), by name.
+_GGML_NAMES = {3: "q4_1", 8: "q8_0"}
 
 
 def panels_supported(weight: torch.Tensor) -> bool:
-    """Whether a linear of `weight` can run through panels: csrc/cpu_bf16_gemm.cpp for bf16
-    (AMX, AVX512-BF16, or AVX-512F alone), csrc/cpu_f32_gemm.cpp for float32 (AVX-512F)."""
+    """Whether a linear of `weight` can run through panels: csrc/cpu/cpu_bf16_gemm.cpp for bf16
+    (AMX, AVX512-BF16, or AVX-512F alone), csrc/cpu/cpu_f32_gemm.cpp for float32 (AVX-512F)."""
     name = _PANEL_OPS.get(weight.dtype)
     if name is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_ops.available():
         return False
-    return hasattr(torch.ops.kvsentry, name) and bool(getattr(torch.ops.kvsentry, f"{name}_supported")())
+    return registry.has(name) and bool(registry.op(f"{name}_supported")())
 
 
 def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
@@ -114,7 +117,7 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
     instead of oneDNN beyond (dense_panels_beside_quant)."""
     if dtype == torch.float32:
         dense = 0 if envs.disable_f32_panels() else F32_PANEL_MAX_ROWS
-    elif "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+    elif "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in registry.op("bf16_gemm_kernels")():
         dense = None
     else:
         dense = 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
@@ -129,9 +132,9 @@ def bf16_float32_fmas(dtype: torch.dtype) -> bool:
     """Whether this CPU's bf16 linears multiply in float32 FMAs: AVX-512F without AVX512-BF16,
     where bf16_gemm's best kernel is "avx512f" (widened panels, or for GGUF blocks the float32
     GEMM on the values rounded to bf16)."""
-    if dtype != torch.bfloat16 or not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "bf16_gemm_kernels"):
+    if dtype != torch.bfloat16 or not cpu_ops.available() or not registry.has("bf16_gemm_kernels"):
         return False
-    kernels = torch.ops.kvsentry.bf16_gemm_kernels()
+    kernels = registry.op("bf16_gemm_kernels")()
     return bool(kernels) and kernels[0] == "avx512f"
 
 
@@ -157,15 +160,14 @@ def onednn_supports(weight: torch.Tensor) -> bool:
 
 def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor | None:
     """The GGUF blocks `weight` was dequantized from, packed for the panel GEMMs
-    (csrc/cpu_quant_panels.h), where this CPU's GEMM of the weight's dtype takes them and they
+    (csrc/cpu/cpu_quant_panels.h), where this CPU's GEMM of the weight's dtype takes them and they
     dequantize to exactly `weight` (checked here, once); else None."""
     if rows is None or envs.disable_quant_panels() or tuple(weight.shape) != (rows.data.shape[0], rows.k):
         return None
-    ops = torch.ops.kvsentry
-    if not hasattr(ops, "quant_panels_pack") or not ops.quant_panels_supported(weight.dtype):
+    if not registry.has("quant_panels_pack") or not registry.op("quant_panels_supported")(weight.dtype):
         return None
-    packed = ops.quant_panels_pack(rows.data, rows.ggml_type, rows.k)
-    if not torch.equal(ops.quant_panels_unpack(packed, weight.shape[0], weight.dtype), weight):
+    packed = registry.op("quant_panels_pack")(rows.data, rows.ggml_type, rows.k)
+    if not torch.equal(registry.op("quant_panels_unpack")(packed, weight.shape[0], weight.dtype), weight):
         log.warning("GGUF blocks of a %s weight do not dequantize to it; using its %s panels",
                     list(weight.shape), weight.dtype)
         return None
@@ -193,7 +195,7 @@ class PackedLinear:
         # bf16: [ceil(out / 64), 16 ceil(in / 32), 64, 2]; or None.
         self.wide_panels = None
         if quant is not None and dense_panels_beside_quant(weight.dtype):
-            self.wide_panels = to_huge_pages(torch.ops.kvsentry.bf16_gemm_pack(weight))
+            self.wide_panels = to_huge_pages(registry.op("bf16_gemm_pack")(weight))
         self.onednn = onednn_supports(weight) and limit is not None and self.wide_panels is None
         if panels and not self.onednn and self.wide_panels is None:
             limit = None  # no oneDNN copy: the panels run every size
@@ -204,15 +206,31 @@ class PackedLinear:
         self.panels = None
         if panels and limit != 0:
             name = _PANEL_OPS[weight.dtype]
-            packed = quant if quant is not None else getattr(torch.ops.kvsentry, f"{name}_pack")(weight)
-            # On huge pages: a decode step streams every panel from memory (engine/worker/huge_pages.py).
+            packed = quant if quant is not None else registry.op(f"{name}_pack")(weight)
+            # On huge pages: a decode step streams every panel from memory (engine/memory/huge_pages.py).
             self.panels = to_huge_pages(packed)
-            self._panel_gemm = getattr(torch.ops.kvsentry, name)
+            self._panel_gemm = registry.op(name)
         if self.onednn:  # (not with wide_panels: they run those steps)
             # None: no batch-size hint; measured no slower than a hint for decode and prefill.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif self.panels is None:
             self.weight_t = weight.t().contiguous()  # [in, out]: x @ W^T without a transpose per call
+        # Which GEMM runs, for the start-up line and the metric (implementations.py).
+        self.path = self._describe(weight.dtype, rows if quant is not None else None)
+
+    def _describe(self, dtype: torch.dtype, rows: QuantRows | None) -> str:
+        """E.g. "bf16_gemm(amx) on q4_1 blocks up to 128 rows, bf16_gemm panels beyond", "onednn",
+        "torch_matmul" (neither panels nor oneDNN here)."""
+        if self.panels is None:
+            return ONEDNN if self.onednn else "torch_matmul"
+        name = _PANEL_OPS[dtype]
+        if dtype == torch.bfloat16:
+            name += f"({registry.op('bf16_gemm_kernels')()[0]})"
+        small = f"{name} on {_GGML_NAMES.get(rows.ggml_type, rows.ggml_type)} blocks" if rows else f"{name} panels"
+        if self.panel_max_rows is None:
+            return small
+        large = f"{_PANEL_OPS[dtype]} panels" if self.wide_panels is not None else ONEDNN
+        return f"{small} up to {self.panel_max_rows} rows, {large} beyond"
 
     def uses_panels(self, rows: int) -> bool:
         """Whether a call on `rows` rows runs through the panels (else oneDNN or the fallback)."""
@@ -260,3 +278,19 @@ def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
                           for layer, b in zip(layers, biases)])
     return PackedLinear(weight, bias, rows)
 
+
+
+def linear_paths(model: torch.nn.Module) -> dict[str, str]:
+    """{"linear.<kind>": the GEMM path} of every packed linear kind in `model` (kind: the
+    attribute or module name, e.g. qkv, o_proj, gate_up, down_proj, lm_head, experts): which
+    path each takes is decided at load, so it is reported once (engine/ops/implementations.py)."""
+    found: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, PackedLinear):
+                kind = name.rsplit(".", 1)[-1] if attr == "packed" else attr
+                found.setdefault(f"linear.{kind}", set()).add(value.path)
+            elif attr == "packed" and isinstance(value, list):  # stacked experts: (gate|up, down) each
+                for linear in (x for pair in value for x in pair):
+                    found.setdefault("linear.experts", set()).add(linear.path)
+    return {kind: " | ".join(sorted(paths)) for kind, paths in sorted(found.items())}

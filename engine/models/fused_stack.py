@@ -1,4 +1,4 @@
-"""A dense decoder's layer stack as one csrc op on CPU (csrc/cpu_decoder_layers.cpp).
+"""A dense decoder's layer stack as one csrc op on CPU (csrc/cpu/cpu_decoder_layers.cpp).
 
 The Python layer loop (engine/models/llama.py) issues ~15 ops per layer; for a 30-layer
 model at batch 1 that was ~2.4 ms of interpreter and dispatch in a 12.4 ms bf16 decode step
@@ -7,7 +7,7 @@ linears -- panels or oneDNN, cpu_gemm.py -- and the same kvsentry kernels), so i
 are the loop's bits (tests/csrc/test_decoder_layers.py).
 
 A step takes the loop instead whenever it needs what the op does not do: prefill chunks for
-SDPA (engine/ops/attention.py: neither prefill_in_tiles nor prefill_in_kernel), a non-CPU or
+SDPA (the attention backend's choice, engine/ops/attention_backends.py), a non-CPU or
 fixed-shape (CUDA-graph) step, a cache in another dtype, forward hooks on a layer, or
 `--enforce-eager` (every op from Python, as vLLM's flag means on CPU too). Models whose layers are not the plain Llama/Qwen2/Qwen3 shape
 never build one.
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.ops import attention, cpu_ops
+from engine.ops import cpu_ops, registry
+from engine.ops.attention_backends import CpuKernelBackend, Prefill, select
 from engine.models.layers import StepContext
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -74,7 +75,7 @@ class FusedLayerStack:
     def build(cls, layers: nn.ModuleList) -> FusedLayerStack | None:
         """A stack over `layers` (llama.py's DecoderLayer with its Attention and a SiluMLP: the
         caller checks the kinds) when every linear is packed (cpu_gemm.py) and the op is built."""
-        if len(layers) == 0 or not cpu_ops.available() or not hasattr(torch.ops.kvsentry, "dense_decoder_layers"):
+        if len(layers) == 0 or not registry.available("decoder_layers", "cpu"):
             return None
         eps, first = layers[0].input_layernorm.eps, layers[0].self_attn
         for layer in layers:
@@ -103,19 +104,23 @@ class FusedLayerStack:
         k0 = ctx.kv_caches[0][0]
         if (meta.fixed_shape or hidden.device.type != "cpu" or hidden.dtype not in _DTYPES
                 or k0.dtype != hidden.dtype or torch.is_grad_enabled() or not hidden.is_contiguous()
-                or not cpu_ops.available() or self._hooked()):  # KVSENTRY_DISABLE_CPU_OPS, read per step
+                or self._hooked()):
+            return None
+        backend = ctx.attention if ctx.attention is not None else select(hidden.device, hidden.dtype, k0.dtype)
+        if not isinstance(backend, CpuKernelBackend):  # the kernels are off (KVSENTRY_DISABLE_CPU_OPS)
             return None
         decodes, starts = meta.num_decodes, meta.query_start_loc_cpu
         block_size = k0.shape[1]
         # The prefill rows' arguments: the kernel's rows (a PrefillPlan), or on AMX one table row,
         # length and query start per request.
         prefill, prefill_tables, tile_lens, tile_starts = None, None, None, None
-        if meta.num_reqs > decodes:  # the order of attention.paged_attention's paths
-            if attention.prefill_in_tiles(hidden.dtype, self.num_heads, self.head_dim, *ctx.kv_caches[0]):
+        if meta.num_reqs > decodes:  # the path the backend gives the loop's attention too
+            path = backend.prefill_path(meta, hidden.dtype, self.num_heads, self.head_dim, *ctx.kv_caches[0])
+            if path is Prefill.TILES:
                 prefill_tables = meta.block_tables[decodes:meta.num_reqs]
                 tile_lens = list(meta.seq_lens_cpu[decodes:meta.num_reqs])
                 tile_starts = list(starts[decodes:meta.num_reqs + 1])
-            elif attention.prefill_in_kernel(meta):
+            elif path is Prefill.ROWS:
                 prefill = meta.prefill_plan(block_size, hidden.device)
                 prefill_tables = prefill.tables
             else:

@@ -13,6 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.ops.attention import AttentionMetadata
+from engine.ops.attention_backends import AttentionBackend
 from engine.integrity.write_guard import WriteGuard
 from engine.gguf.weights import QuantRows
 from engine.models.cpu_gemm import PackedLinear, fused_linear
@@ -26,6 +27,9 @@ class StepContext:
     kv_caches: list[Any]               # per layer: (k_cache, v_cache) or an MLA latent cache
     null_block_writes: torch.Tensor    # [1] int64, writes that landed in block 0
     write_guard: WriteGuard | None = None  # the blocks this step may write; counts foreign writes
+    # The attention path, chosen once per model load (engine/ops/attention_backends.py); None:
+    # chosen per call for the step's tensors.
+    attention: AttentionBackend | None = None
 
 
 class RMSNorm(nn.Module):

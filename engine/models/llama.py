@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.ops.attention import paged_attention
+from engine.ops.attention_backends import paged_attention
 from engine.config import EngineConfig
 from engine.ops.kv_writer import write_kv
 from engine.models.cpu_gemm import PackedLinear, fused_linear
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, ctx.null_block_writes, guard=ctx.write_guard)
-        out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, ctx.attention)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 

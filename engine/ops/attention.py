@@ -6,8 +6,9 @@ sequence's length are masked with a zero weight *after* being read. So a NaN
 planted in block 0 propagates (0 x NaN = NaN) -- deliberately: the sentinel,
 not the attention, is what guards the null block.
 
-On CUDA, decode rows go through FlexAttention (engine/ops/flex_attention.py) with the same
-read-then-mask semantics; a CUDA-graph step's metadata is `fixed_shape` and goes there whole.
+This module holds the step's metadata, the plans and the torch references; which path a step
+takes (a csrc/ kernel, FlexAttention, or these references) is an attention backend's choice,
+made once per model load (engine/ops/attention_backends.py).
 """
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine import envs
-from engine.ops import cpu_ops, flex_attention
 
 
 @dataclass
@@ -202,7 +201,7 @@ def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
                                plan: DecodePlan,
                                scale: float) -> torch.Tensor:  # [B, Hq, Dv]
     """One query token per request, each group of rows over its longest row's table entries
-    (the torch reference of csrc/cpu_attention.cpp and of engine/ops/flex_attention.py)."""
+    (the torch reference of csrc/cpu/cpu_attention.cpp and of engine/ops/flex_attention.py)."""
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
     for rows, num_read in plan.group_rows:
         group_tables = tables.index_select(0, rows)[:, :num_read]
@@ -213,110 +212,17 @@ def decode_attention_reference(query: torch.Tensor,        # [B, Hq, D]
     return out
 
 
-# Prefill chunks run through the decode kernel's one row per token, which rereads the prefix
-# for every query row, unless a chunk is at least PREFILL_SDPA_MIN_TOKENS long and a prefill
-# request's sequence is longer than PREFILL_KERNEL_MAX_LEN: then the step's chunks run through
-# SDPA (torch's flash kernel, each query tile sharing the K/V tiles). On a 1-core Zen 5, default
-# model, bf16, whole prefill steps: 8 x 128 tokens 526 ms (kernel) vs 660 ms (SDPA: 0.5 ms per
-# 128-token causal call), 1 x 1000 940 vs 1022 ms, 1 x 2000 2949 vs 2699 ms (the prefix's K/V
-# outgrow L2); float32 4 x 256 1003 vs 1090 ms. On CPUs with AMX, SDPA wins from the shortest
-# chunk it takes: 1-core Xeon, default model, bf16 whole prefill steps 8 x 128 tokens 457 vs 490
-# ms, 4 x 512 1221 vs 1648, 1 x 1000 610 vs 1051 (the kernel's rows on AMX tiles); float32
-# within 4% up to 512 tokens, 2 x 1000 4134 vs 4957 ms.
-PREFILL_SDPA_MIN_TOKENS = 64
-PREFILL_KERNEL_MAX_LEN = 0 if "amx_bf16" in cpu_ops.cpu_flags() else 1024
-
-
-# Prefill chunks of any length run on the tiled prefill kernel (csrc/cpu_prefill_attention.cpp)
-# where the CPU and shapes allow, before the rules above (KVSENTRY_DISABLE_PREFILL_TILES=1:
-# never): AMX tiles for a bf16 cache on AMX CPUs, AVX-512F vector tiles for float32 and bf16
-# elsewhere. AMX: 1-core Xeon, default model, bf16, 4 x 512-token causal prefill per layer: SDPA
-# ~8.5-9.5 ms, AMX tiles ~3.9 ms; the whole 4 x 512 prefill step 1045 -> ~830 ms. Short chunks
-# too, whole prefill steps in the fused stack, tiles vs the kernel's rows: 1 x 16 tokens 34 vs
-# 35-44 ms, 16 x 8 79 vs 82-87, 8 x 48 132-144 vs 157-185. Vector tiles: 1-core Xeon without AMX,
-# default model, per layer, tiles vs the kernel's rows: float32 4 x 512 14.3 vs 36.4 ms, 16 x 128
-# 5.0 vs 9.8, 1 x 2048 53 vs 168; bf16 alike.
-def prefill_in_tiles(dtype: torch.dtype, num_heads: int, head_dim: int,
-                     key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
-                     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
-                     ) -> bool:
-    """Whether a step's prefill chunks run on the tiled prefill kernel: queries of `dtype`,
-    [T, num_heads, head_dim], over these caches (the loop and the fused stack both ask)."""
-    return (key_cache.device.type == "cpu" and not envs.disable_prefill_tiles() and cpu_ops.available()
-            and _tiles_fit(dtype, num_heads, head_dim, key_cache.dtype, tuple(key_cache.shape[1:]),
-                           value_cache.dtype, value_cache.shape[-1]))
-
-
-@functools.cache
-def _tiles_fit(dtype: torch.dtype, num_heads: int, head_dim: int, k_dtype: torch.dtype,
-               k_shape: tuple[int, ...], v_dtype: torch.dtype, v_dim: int) -> bool:
-    """The kernel's own answer for these shapes, asked once (it reads only sizes and dtypes)."""
-    return cpu_ops.paged_prefill_attention_fits(torch.empty(0, num_heads, head_dim, dtype=dtype),
-                                                torch.empty(0, *k_shape, dtype=k_dtype),
-                                                torch.empty(0, *k_shape[:-1], v_dim, dtype=v_dtype))
-
-
-def prefill_in_kernel(meta: AttentionMetadata) -> bool:
-    """Whether the step's prefill chunks (requests past the decodes) all go through the
-    kernel's rows (see PREFILL_KERNEL_MAX_LEN); read at call time, so tests can move it."""
-    starts, first = meta.query_start_loc_cpu, meta.num_decodes
-    longest_chunk = max((starts[i + 1] - starts[i] for i in range(first, meta.num_reqs)), default=0)
-    longest_seq = max(meta.seq_lens_cpu[first:meta.num_reqs], default=0)
-    return longest_chunk < PREFILL_SDPA_MIN_TOKENS or longest_seq <= PREFILL_KERNEL_MAX_LEN
-
-
-def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, head_dim]
-                    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-                    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, v_head_dim]
-                    meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:  # [num_padded_tokens, num_heads, v_head_dim]
-    """Causal attention of each request's new tokens over its whole cached sequence.
-
-    Must run after this step's K/V were written, so a request's own new tokens
-    are in the cache too (prefill with a cached prefix and decode are one case).
-    """
-    if meta.fixed_shape:  # every row reads the whole table width; nothing on the host
-        return flex_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                                     meta.seq_lens, scale)
-    num_heads = query.shape[1]
-    # Rows [0, starts[num_reqs]) are all written below (decodes, then every prefill chunk);
-    # only the padding rows past them are zeroed.
-    out = query.new_empty(query.shape[0], num_heads, value_cache.shape[-1])
-    out[meta.query_start_loc_cpu[meta.num_reqs] if meta.num_reqs else 0:].zero_()
-    if meta.num_reqs == 0:
-        return out
-    block_size = key_cache.shape[1]
-    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+def prefill_attention_reference(out: torch.Tensor,          # [num_padded_tokens, Hq, Dv], rows written
+                                query: torch.Tensor,        # [num_padded_tokens, Hq, D]
+                                key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
+                                value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
+                                meta: AttentionMetadata,
+                                scale: float) -> None:
+    """Each prefill chunk (the requests past the decodes) causally over its cached sequence,
+    through SDPA one request at a time: the torch reference of csrc/cpu/cpu_prefill_attention.cpp,
+    and what every backend runs for chunks its kernels do not take."""
+    starts, lens, block_size = meta.query_start_loc_cpu, meta.seq_lens_cpu, key_cache.shape[1]
     decodes = meta.num_decodes
-    use_kernel = query.device.type == "cpu" and key_cache.dtype == query.dtype and cpu_ops.available()
-    if decodes:  # one query token each, so their query rows are [0, decodes)
-        plan = meta.decode_plan(block_size, query.device)
-        if use_kernel:
-            # The C++ kernel reads the blocks in place: same semantics as below, no gather.
-            cpu_ops.paged_decode_attention(out[:decodes], query[:decodes], key_cache, value_cache,
-                                           meta.block_tables, meta.seq_lens, plan.reads, plan.num_read, scale)
-        elif query.is_cuda and flex_attention.available():
-            # Every decode row reads plan.num_read entries (one group): the op the CUDA graphs replay.
-            out[:decodes] = flex_attention.paged_decode_attention(
-                query[:decodes], key_cache, value_cache, meta.block_tables[:decodes, :plan.num_read],
-                meta.seq_lens[:decodes], scale)
-        else:
-            out[:decodes] = decode_attention_reference(query[:decodes], key_cache, value_cache,
-                                                       meta.block_tables[:decodes], meta.seq_lens[:decodes],
-                                                       plan, scale)
-    if meta.num_reqs > decodes and use_kernel and prefill_in_tiles(query.dtype, num_heads, query.shape[2],
-                                                                 key_cache, value_cache):
-        cpu_ops.paged_prefill_attention(out, query, key_cache, value_cache, meta.block_tables[decodes:meta.num_reqs],
-                                        list(lens[decodes:meta.num_reqs]), list(starts[decodes:meta.num_reqs + 1]),
-                                        scale)
-        return out
-    if meta.num_reqs > decodes and use_kernel and prefill_in_kernel(meta):
-        # Every prefill token of every request in one kernel call (see PrefillPlan).
-        first, last = starts[decodes], starts[meta.num_reqs]
-        plan = meta.prefill_plan(block_size, query.device)
-        cpu_ops.paged_decode_attention(out[first:last], query[first:last], key_cache, value_cache,
-                                       plan.tables, plan.seq_lens, plan.reads, plan.num_read, scale)
-        return out
     for i in range(decodes, meta.num_reqs):
         q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
         num_new = q_end - q_start
@@ -332,4 +238,3 @@ def paged_attention(query: torch.Tensor,    # [num_padded_tokens, num_heads, hea
             k_pos = torch.arange(k.shape[2], device=query.device)
             allowed = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, -1)
         out[q_start:q_end] = attend(q, k, v, allowed, scale)[0].transpose(0, 1)
-    return out

@@ -7,7 +7,7 @@ A block's checksum is, per layer, two 32-bit lanes of a multilinear hash of its 
 Flipping any single bit changes the product by an odd multiple of a power of two below
 2^32, so every single-bit error changes both lanes; other corruption collides with
 probability ~2^-64 over the random multipliers. It is computed where the cache lives:
-csrc/cpu_checksum.cpp on CPU (one pass over memory, no temporaries), the torch reference
+csrc/cpu/cpu_checksum.cpp on CPU (one pass over memory, no temporaries), the torch reference
 below elsewhere (on a GPU that is a few batched device ops, no host sync). The reference
 defines the result; tests/csrc/test_checksum.py holds the kernel to it bit for bit.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops import cpu_ops
+from engine.ops import registry
 
 CHECKSUM_SEED = 0x6B76_7365  # fixed: checksums are compared within one process only
 
@@ -51,6 +51,6 @@ def block_checksums_reference(words: torch.Tensor,        # [num_blocks, num_lay
 
 
 def block_checksums(words: torch.Tensor, block_ids: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
-    if words.device.type == "cpu" and cpu_ops.available():
-        return torch.ops.kvsentry.kv_block_checksums(words, block_ids, multipliers)
+    if registry.available("kv_checksum", words.device):
+        return registry.op("kv_block_checksums")(words, block_ids, multipliers)
     return block_checksums_reference(words, block_ids, multipliers)

@@ -1,5 +1,6 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (optionally after the residual add),
-rotary embedding and SiLU-and-multiply. csrc/cpu_fused_ops.cpp on CPU -- one op where torch runs eight to sixteen
+rotary embedding and SiLU-and-multiply. csrc/cpu/cpu_fused_ops.cpp on CPU (the registry's
+"fused_ops" row) -- one op where torch runs eight to sixteen
 small ones per call, most of a small model's decode step at small batches -- and the torch
 references below elsewhere.
 
@@ -7,16 +8,19 @@ The references define the results and mirror Hugging Face's modules op for op (L
 float32 statistics, rounded to the input dtype, then times the weight; apply_rotary_pos_emb:
 cos/sin rounded to the input dtype, every product and sum in it). The kernels give the same
 bits (tests/csrc/test_fused_ops.py), so turning them off (KVSENTRY_DISABLE_CPU_OPS=1) changes
-speed only.
+speed only. Where they do not run (not built, switched off), the rank reports `fused_ops` on the
+torch reference at start (engine/ops/implementations.py); a single call whose tensors the
+kernels do not take (another dtype or layout, autograd on) runs the reference by design.
 """
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from engine.ops import cpu_ops
+from engine.ops import registry
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,21 +51,23 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -
     return F.silu(gate) * up
 
 
-def _kernels(x: torch.Tensor):
-    """torch.ops.kvsentry when the kernels apply to x: a CPU float32/bf16 tensor, no autograd
+_KERNEL = registry.kernel_for("fused_ops", "cpu")
+
+
+def _kernels(x: torch.Tensor) -> SimpleNamespace | None:
+    """The fused ops when the kernels apply to x: a CPU float32/bf16 tensor, no autograd
     (the engine runs under inference_mode), a library that has them; else None. Kept lean:
     it runs three times per layer per step."""
     if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or torch.is_grad_enabled():
         return None
-    if not cpu_ops.available():
+    if not registry.runs(_KERNEL):
         return None
-    ops = torch.ops.kvsentry
-    return ops if _has_fused(ops) else None
+    return _ops()
 
 
 @functools.cache
-def _has_fused(ops) -> bool:  # a library prebuilt before cpu_fused_ops.cpp existed lacks them
-    return all(hasattr(ops, name) for name in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"))
+def _ops() -> SimpleNamespace:  # the row's ops, looked up once
+    return SimpleNamespace(**{name: registry.op(name) for name in _KERNEL.schemas})
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., N]

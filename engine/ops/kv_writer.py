@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.ops import cpu_ops, cuda_ops
+from engine.ops import cuda_ops, registry
 from engine.paging import block_of_slot, null_block_hits, offset_in_block
 
 if TYPE_CHECKING:  # a type only: the integrity unit imports these ops, not the reverse
@@ -90,7 +90,7 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
 
 def _host_kernel(cache: torch.Tensor) -> bool:
     """Whether a CPU cache's writes go through the csrc/ op (built, and not turned off)."""
-    return cache.device.type == "cpu" and cpu_ops.available()
+    return cache.device.type == "cpu" and registry.available("kv_writer", "cpu")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -103,10 +103,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
             cuda_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
             return
     elif _host_kernel(k_cache):
-        # The kernels' per-token code run on the host (csrc/cache_kernels_host.cpp): one call
+        # The kernels' per-token code run on the host (csrc/cpu/cache_kernels_host.cpp): one call
         # where the reference runs ~15 small ops per layer, bit for bit the same writes.
-        torch.ops.kvsentry.reshape_and_cache_flash(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value), k_cache, v_cache,
-                                                   slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, k_cache))
+        registry.op("reshape_and_cache_flash")(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value), k_cache,
+                                                 v_cache, slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, k_cache))
         return
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
@@ -121,7 +121,7 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             cuda_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)
             return
     elif _host_kernel(kv_cache):
-        torch.ops.kvsentry.concat_and_cache_mla(cuda_ops.contiguous_rows(kv_c), cuda_ops.contiguous_rows(k_pe), kv_cache, slot_mapping,
-                                                null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
+        registry.op("concat_and_cache_mla")(cuda_ops.contiguous_rows(kv_c), cuda_ops.contiguous_rows(k_pe), kv_cache,
+                                              slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
         return
     write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)

@@ -1,6 +1,6 @@
 """Non-finite values per (block, layer) of the paged KV cache: the NaN sentinel's scan.
 
-csrc/cpu_nonfinite.cpp on CPU (integer masks on the raw words, one pass, no float copy),
+csrc/cpu/cpu_nonfinite.cpp on CPU (integer masks on the raw words, one pass, no float copy),
 held to the torch reference below (tests/csrc/test_nonfinite.py). Both take the block-first
 int32 words view of the cache storage (engine/ops/checksum.py's block_words). Where the kernel
 does not take a cache, the sentinel sums floats instead (engine/integrity/sentinel.py).
@@ -8,6 +8,8 @@ does not take a cache, the sentinel sums floats instead (engine/integrity/sentin
 from __future__ import annotations
 
 import torch
+
+from engine.ops import registry
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
@@ -30,4 +32,4 @@ def nonfinite_counts_into(words: torch.Tensor,  # [num_blocks, num_layers, chunk
                           ) -> int:              # their sum: 0 on a clean scan
     """The kernel's counts for the sentinel's per step call: one dispatch, no allocation. The
     caller checks that the kernel takes the cache (NaNSentinel.uses_kernel)."""
-    return torch.ops.kvsentry.kv_block_nonfinite_into(words, block_ids, KINDS[dtype], out)
+    return registry.op("kv_block_nonfinite_into")(words, block_ids, KINDS[dtype], out)

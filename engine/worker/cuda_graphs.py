@@ -37,7 +37,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.layers import StepContext
-from engine.ops import cuda_ops, flex_attention
+from engine.ops import attention_backends, cuda_ops
 from engine.ops.attention import AttentionMetadata
 from engine.ops.checksum import block_words
 from engine.integrity.write_guard import WriteGuard
@@ -70,7 +70,7 @@ def eager_reason(config: EngineConfig) -> str | None:
         return "not a CUDA device"
     if config.enforce_eager:
         return "--enforce-eager"
-    if not flex_attention.available():
+    if not attention_backends.select(config.device, config.model.dtype, config.model.dtype).fixed_shape_decode:
         return "torch has no FlexAttention"
     if not cuda_ops.available():
         return "the CUDA KV writers are not built (the torch reference writer cannot be captured)"

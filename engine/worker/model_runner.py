@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.ops import cpu_ops
+from engine.ops import attention_backends, cpu_ops
+from engine.ops.implementations import graphs_entry, op_implementations
+from engine.models.cpu_gemm import linear_paths
 from engine.integrity.write_guard import WriteGuard
 from engine.worker.batch_builder import BatchBuilder, StepBatch
 from engine.worker.cuda_graphs import DecodeGraphs, eager_reason
@@ -43,6 +45,9 @@ class ModelRunner:
         self.write_guard = WriteGuard(config.num_blocks, config.block_size, config.device, config.strict_kv_writes)
         if torch.device(config.device).type == "cpu":
             cpu_ops.available()  # build (or load) the CPU attention kernel now, not inside a step
+        # The attention path of every step, chosen once (the CUDA graphs' fixed-shape steps
+        # take FlexAttention whole: eager_reason asks this same choice).
+        self.attention = attention_backends.select(config.device, config.model.dtype, self.kv_storage.dtype)
         # Pure-decode steps (and dummy batches) up to the largest size replay CUDA graphs.
         self.graphs: DecodeGraphs | None = None
         reason = eager_reason(config)
@@ -52,14 +57,23 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture()  # raises, naming the layers, if capture dirtied the null block
         elif config.device.startswith("cuda"):
-            log.info("decode steps run eagerly: %s", reason)
+            # The operator's choice is news; anything else is a fallback, and slower.
+            level = logging.INFO if reason == "--enforce-eager" else logging.WARNING
+            log.log(level, "decode steps run eagerly, without CUDA graphs: %s", reason)
+        self.graphs_reason = reason
+
+    def implementations(self) -> dict[str, str]:
+        """What this rank runs (engine/ops/implementations.py): every registry op's kernel or
+        fallback, the GEMM path of each linear kind, and CUDA graphs on or off."""
+        return {**op_implementations(self.config.device), **linear_paths(self.model),
+                "cuda_graphs": graphs_entry(self.graphs_reason)}
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:  # [num_padded_tokens, hidden]
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         ctx = StepContext(meta=batch.meta, kv_caches=self.kv_caches, null_block_writes=self.null_block_writes,
-                          write_guard=self.write_guard)
+                          write_guard=self.write_guard, attention=self.attention)
         return self.model(batch.input_ids, batch.positions, ctx)
 
     def run_dummy(self, num_padded: int) -> torch.Tensor:  # [num_padded] int64

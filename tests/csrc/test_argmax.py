@@ -1,4 +1,4 @@
-"""csrc/cpu_argmax.cpp (torch.ops.kvsentry.row_argmax) against torch.argmax, and the sampler's
+"""csrc/cpu/cpu_argmax.cpp (the row_argmax op) against torch.argmax, and the sampler's
 greedy path that uses it on the raw logits. Needs the ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 

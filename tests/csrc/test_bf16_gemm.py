@@ -1,4 +1,4 @@
-"""csrc/cpu_bf16_gemm.cpp (torch.ops.kvsentry.bf16_gemm) against a float64 reference and
+"""csrc/cpu/cpu_bf16_gemm.cpp (the bf16_gemm op) against a float64 reference and
 against oneDNN, on CPUs with AVX-512F (skipped elsewhere: the engine keeps oneDNN there).
 Every kernel this CPU runs is tested on its own (bf16_gemm_with): the float32-FMA panels
 ("avx512f") everywhere, the vdpbf16ps panels where the CPU has AVX512-BF16, and the AMX tiles
@@ -22,10 +22,10 @@ def ops(kvsentry_ops):
 
 def kernels() -> list[str]:
     """The kernels of this CPU, known at collection time (the ops load in the fixture)."""
-    from engine.ops import cpu_ops
-    if not cpu_ops.available() or not torch.ops.kvsentry.bf16_gemm_supported():
+    from engine.ops import cpu_ops, registry
+    if not cpu_ops.available() or not registry.op("bf16_gemm_supported")():
         return ["avx512_bf16"]  # the fixture skips
-    return list(torch.ops.kvsentry.bf16_gemm_kernels())
+    return list(registry.op("bf16_gemm_kernels")())
 
 
 KERNELS = kernels()

@@ -1,4 +1,4 @@
-"""csrc/cpu_checksum.cpp (sealed-block checksums) against its torch reference, bit for bit, over
+"""csrc/cpu/cpu_checksum.cpp (sealed-block checksums) against its torch reference, bit for bit, over
 the cache layouts and dtypes the engine allocates; and the property the sweep relies on: any one
 flipped bit changes the checksum."""
 from __future__ import annotations

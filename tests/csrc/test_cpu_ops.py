@@ -1,4 +1,4 @@
-"""torch.ops.kvsentry on CPU: the kernels' own per-token code (csrc/cache_kernels.cuh), run on the
+"""The KV writer ops on CPU: the kernels' own per-token code (csrc/common/cache_kernels.cuh), run on the
 host with the GPU launch plan, against the torch reference, bit for bit; plus the op checks,
 the Meta (fake) implementation and torch.compile.
 
@@ -280,9 +280,11 @@ def test_schemas_declare_the_mutations(kvsentry_ops):
 
 def test_torch_compile_traces_the_ops_with_dynamic_shapes(kvsentry_ops):
     """Fake tensors (the Meta implementation, symbolic sizes), functionalization of the mutations."""
+    write_kv, write_mla = kvsentry_ops.reshape_and_cache_flash, kvsentry_ops.concat_and_cache_mla
+
     def step(key, value, k_cache, v_cache, kv_c, k_pe, mla_cache, slots, counter):
-        torch.ops.kvsentry.reshape_and_cache_flash(key * 2, value, k_cache, v_cache, slots, counter)
-        torch.ops.kvsentry.concat_and_cache_mla(kv_c, k_pe + 1, mla_cache, slots, counter)
+        write_kv(key * 2, value, k_cache, v_cache, slots, counter)
+        write_mla(kv_c, k_pe + 1, mla_cache, slots, counter)
         return counter + 0
 
     torch._dynamo.reset()
@@ -303,16 +305,16 @@ def test_torch_compile_traces_the_ops_with_dynamic_shapes(kvsentry_ops):
 def test_engine_writes_cpu_caches_through_the_host_kernel(kvsentry_ops, monkeypatch, dtype):
     """kv_writer.write_kv / write_mla on CPU caches run the csrc/ op when it is built, with the
     reference's bytes and null-block count (the head-major layout, a strict guard's PAD slots)."""
-    from engine.ops import kv_writer
+    from engine.ops import kv_writer, registry
     from engine.paging import PAD_SLOT_ID
     g = torch.Generator().manual_seed(3)
     key, value = torch.randn(7, 3, 64, generator=g).to(dtype), torch.randn(7, 3, 64, generator=g).to(dtype)
     storage = torch.zeros(2, 3, 10, 16, 64, dtype=dtype)  # [K|V, Hkv, NB, bs, D]: the CPU layout
     slots = torch.tensor([17, PAD_SLOT_ID, 40, 3, 159, PAD_SLOT_ID, 100])
     calls = []
-    real = kvsentry_ops.reshape_and_cache_flash
-    monkeypatch.setattr(torch.ops.kvsentry, "reshape_and_cache_flash", lambda *a: (calls.append(1), real(*a))[1],
-                        raising=False)
+    real, real_op = kvsentry_ops.reshape_and_cache_flash, registry.op
+    counted = lambda *a: (calls.append(1), real(*a))[1]  # noqa: E731
+    monkeypatch.setattr(registry, "op", lambda name: counted if name == "reshape_and_cache_flash" else real_op(name))
     results = []
     for use_kernel in (True, False):
         if not use_kernel:

@@ -1,4 +1,4 @@
-"""csrc/cpu_decoder_layers.cpp (torch.ops.kvsentry.dense_decoder_layers, run by
+"""csrc/cpu/cpu_decoder_layers.cpp (the dense_decoder_layers op, run by
 engine/models/fused_stack.py) against the Python layer loop it replaces: the same bits.
 
 Each case drives two engines on one checkpoint, one with the fused stack and one with
@@ -185,7 +185,7 @@ def test_hooks_and_enforce_eager_take_the_loop(kvsentry_ops, checkpoint, monkeyp
 def test_op_checks_its_arguments(kvsentry_ops):
     hidden = torch.zeros(2, 8)
     with pytest.raises(RuntimeError, match="6 tensors per layer"):
-        torch.ops.kvsentry.dense_decoder_layers(
+        kvsentry_ops.dense_decoder_layers(
             hidden, torch.zeros(2, dtype=torch.int64), [hidden], [None] * 4, [8] * 4, [], [torch.zeros(4, 16, 1, 8)],
             [torch.zeros(4, 16, 1, 8)], torch.zeros(8, 8), torch.zeros(8, 8), torch.full((2,), -1), None,
             None, None, None, 0, 0, None, None, None, 0, 0, 0, 1, 1, 8, 1e-6, 1.0)

@@ -1,4 +1,4 @@
-"""csrc/cpu_f32_gemm.cpp (torch.ops.kvsentry.f32_gemm) against a float64 reference and
+"""csrc/cpu/cpu_f32_gemm.cpp (the f32_gemm op) against a float64 reference and
 against oneDNN, on CPUs with AVX-512F (skipped elsewhere: the engine keeps oneDNN there).
 
 The reference: x @ w^T + b in float64 over the float32 inputs, which a float32 dot product

@@ -1,4 +1,4 @@
-"""csrc/cpu_fused_ops.cpp (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-multiply)
+"""csrc/cpu/cpu_fused_ops.cpp (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-multiply)
 against the torch references of engine/ops/fused_ops.py, bit for bit in float32 and bfloat16;
 and the dispatch that picks them."""
 from __future__ import annotations
@@ -172,24 +172,49 @@ def test_meta_shapes(kvsentry_ops):
     assert q.shape == (4, 3, 8) and k.shape == (4, 1, 8)
 
 
+def counting_kernels(monkeypatch) -> list[str]:
+    """Count the fused kernels' calls through engine/ops/fused_ops.py (by op name)."""
+    from types import SimpleNamespace
+    calls: list[str] = []
+    real = fused_ops._ops()
+
+    def counted(name):
+        return lambda *args: (calls.append(name), getattr(real, name)(*args))[1]
+    monkeypatch.setattr(fused_ops, "_ops", lambda: SimpleNamespace(**{n: counted(n) for n in vars(real)}))
+    return calls
+
+
 @pytest.mark.parametrize("disabled", [False, True])
-def test_dispatch_same_bits_with_or_without_the_kernel(kvsentry_ops, monkeypatch, disabled):
+def test_dispatch_runs_the_kernels_and_matches_the_references(kvsentry_ops, monkeypatch, disabled):
+    """The wrappers call the kernels for CPU bf16 tensors under inference mode, and give the
+    references' bits (computed here, apart from the wrappers); with KVSENTRY_DISABLE_CPU_OPS=1
+    they call none of them."""
+    calls = counting_kernels(monkeypatch)
     if disabled:
         monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
     x, residual = randn(3, 64, dtype=torch.bfloat16, seed=5), randn(3, 64, dtype=torch.bfloat16, seed=6)
     weight = randn(64, dtype=torch.bfloat16, seed=8)
+    cos, sin = rope_tables(8, 64)
+    positions = torch.tensor([0, 5, 7])
     with torch.inference_mode():
         out, hidden = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
         normed = fused_ops.rms_norm(x, weight, 1e-6)
-        cos, sin = rope_tables(8, 64)
-        q, k = fused_ops.rotary(x.view(3, 1, 64), residual.view(3, 1, 64), cos, sin, torch.tensor([0, 5, 7]))
-    assert torch.equal(q, rotary_reference(x.view(3, 1, 64), residual.view(3, 1, 64), cos, sin,
-                                           torch.tensor([0, 5, 7]))[0])
+        q, k = fused_ops.rotary(x.view(3, 1, 64), residual.view(3, 1, 64), cos, sin, positions)
+        gated = fused_ops.silu_and_mul(torch.cat([x, residual], dim=-1))
+    assert calls == ([] if disabled else ["add_rms_norm", "rms_norm", "rotary", "silu_and_mul"])
+    assert torch.equal(q, rotary_reference(x.view(3, 1, 64), residual.view(3, 1, 64), cos, sin, positions)[0])
     assert torch.equal(hidden, residual + x)
     assert torch.equal(out, rms_norm_reference(residual + x, weight, 1e-6))
     assert torch.equal(normed, rms_norm_reference(x, weight, 1e-6))
+    assert_silu_matches(gated, silu_and_mul_reference(torch.cat([x, residual], dim=-1)))
+
+
+def test_calls_the_kernels_do_not_take_run_the_reference(kvsentry_ops, monkeypatch):
+    calls = counting_kernels(monkeypatch)
+    x, weight = randn(3, 64, dtype=torch.bfloat16, seed=5), randn(64, dtype=torch.bfloat16, seed=8)
     # Non-contiguous input, another weight dtype, autograd: the reference runs.
     strided = x.float().t().contiguous().t()
     assert torch.equal(fused_ops.rms_norm(strided, weight, 1e-6), rms_norm_reference(strided, weight, 1e-6))
     w = weight.float().requires_grad_()
     assert fused_ops.rms_norm(x.float(), w, 1e-6).requires_grad
+    assert calls == []

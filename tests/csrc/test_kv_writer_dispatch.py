@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops import cuda_ops
+from engine.ops import cuda_ops, registry
 from engine.ops import kv_writer
 from engine.paging import PAD_SLOT_ID
 from engine.ops.kv_writer import write_kv, write_kv_reference, write_mla, write_mla_reference
@@ -143,7 +143,7 @@ def test_cuda_caches_dispatch_to_the_kernels_when_available(monkeypatch, kernels
 
 
 def test_available_is_false_without_cuda_and_builds_nothing(monkeypatch):
-    monkeypatch.setattr(cuda_ops, "build", lambda *a, **k: pytest.fail("must not build"))
+    monkeypatch.setattr(registry, "build", lambda *a, **k: pytest.fail("must not build"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cuda_ops.available() is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -154,18 +154,18 @@ def test_available_is_false_without_cuda_and_builds_nothing(monkeypatch):
 def test_failed_build_falls_back_with_a_warning_or_raises_when_required(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("nvcc exploded")
-    monkeypatch.setattr(cuda_ops, "build", broken)
+    monkeypatch.setattr(registry, "build", broken)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cuda_ops._cuda_build_ok.cache_clear()
+    registry._cuda_library_ok.cache_clear()
     try:
         assert cuda_ops.available() is False
         assert "nvcc exploded" in caplog.text
-        cuda_ops._cuda_build_ok.cache_clear()
+        registry._cuda_library_ok.cache_clear()
         monkeypatch.setenv("KVSENTRY_REQUIRE_CUDA_OPS", "1")
         with pytest.raises(RuntimeError, match="nvcc exploded"):
             cuda_ops.available()
     finally:
-        cuda_ops._cuda_build_ok.cache_clear()
+        registry._cuda_library_ok.cache_clear()
 
 
 def test_cuda_ops_wrappers_refuse_cpu_tensors():

@@ -1,4 +1,4 @@
-"""csrc/cpu_nonfinite.cpp (the NaN sentinel's scan) against its torch reference, exactly, over the
+"""csrc/cpu/cpu_nonfinite.cpp (the NaN sentinel's scan) against its torch reference, exactly, over the
 cache layouts and dtypes: NaN, +-Inf, the largest finite values and subnormals placed at random."""
 from __future__ import annotations
 

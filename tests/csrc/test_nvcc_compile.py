@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from engine.ops import cuda_ops
+from engine.ops import library
 from tests.csrc.conftest import skip_or_fail
 
 pytestmark = pytest.mark.nvcc
@@ -32,13 +32,13 @@ EXPECTED_KERNELS = 2 * (5 + 6)
 
 def nvcc_command(out_dir: Path, gencode: list[str]) -> list[str]:
     """The exact command CI runs (printed on failure): the flags torch's JIT build gives nvcc
-    (engine/ops/cuda_ops.py's NVCC_FLAGS, torch's defines, includes and -std) plus -Werror."""
-    return [NVCC, *cuda_ops.NVCC_FLAGS, *cpp_extension.COMMON_NVCC_FLAGS, "-std=c++20",
+    (engine/ops/library.py's NVCC_FLAGS, torch's defines, includes and -std) plus -Werror."""
+    return [NVCC, *library.NVCC_FLAGS, *cpp_extension.COMMON_NVCC_FLAGS, "-std=c++20",
             "-DTORCH_EXTENSION_NAME=kvsentry_ops_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
-            "-Werror", "all-warnings", "--compiler-options", "-fPIC", f"-I{CSRC}",
+            "-Werror", "all-warnings", "--compiler-options", "-fPIC", f"-I{CSRC / 'common'}",
             *(arg for p in cpp_extension.include_paths() for arg in ("-isystem", p)),
             *gencode, "--resource-usage", "-keep", "-keep-dir", str(out_dir),
-            "-c", str(CSRC / "cache_kernels.cu"), "-o", str(out_dir / "cache_kernels.o")]
+            "-c", str(CSRC / "cuda" / "cache_kernels.cu"), "-o", str(out_dir / "cache_kernels.o")]
 
 
 @pytest.fixture(scope="session")
@@ -57,8 +57,8 @@ def compiled(tmp_path_factory):
         running[name] = (command, proc, out_dir)
     # The host side of the CUDA variant (no stubs), for the link check below.
     host_dir = tmp_path_factory.mktemp("host_cuda")
-    host_cmd = [shutil.which("c++"), "-O2", "-std=c++20", "-fPIC", "-DKVSENTRY_WITH_CUDA", f"-I{CSRC}",
-                "-c", str(CSRC / "cache_kernels_host.cpp"), "-o", str(host_dir / "cache_kernels_host.o")]
+    host_cmd = [shutil.which("c++"), "-O2", "-std=c++20", "-fPIC", "-DKVSENTRY_WITH_CUDA", f"-I{CSRC / 'common'}",
+                "-c", str(CSRC / "cpu" / "cache_kernels_host.cpp"), "-o", str(host_dir / "cache_kernels_host.o")]
     running["host_cuda"] = (host_cmd, subprocess.Popen(host_cmd, stdout=subprocess.PIPE,
                                                        stderr=subprocess.STDOUT, text=True), host_dir)
     results = {}
@@ -138,7 +138,7 @@ def test_cuda_variant_links_every_c_abi_function_once(compiled, tmp_path):
             str(compiled["host_cuda"][3] / "cache_kernels_host.o"), "-o", str(library)]
     proc = subprocess.run(link, capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(link)}\n{proc.stdout}{proc.stderr}"
-    declared = set(re.findall(r"^\w[\w\s*]*?\b(kvsentry_\w+)\(", (CSRC / "cache_kernels.h").read_text(), flags=re.M))
+    declared = set(re.findall(r"^\w[\w\s*]*?\b(kvsentry_\w+)\(", (CSRC / "common" / "cache_kernels.h").read_text(), flags=re.M))
     assert len(declared) == 7, declared
     nm = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
     defined = re.findall(r" T (kvsentry_\w+)$", nm.stdout, flags=re.M)

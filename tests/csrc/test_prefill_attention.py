@@ -1,7 +1,7 @@
 """paged_prefill_attention's two kernels against their torch reference: engine/ops/attention.py's
 SDPA over the gathered K/V (what prefill ran before), and a float64 softmax over the same inputs.
-`amx`: csrc/cpu_prefill_attention_amx.cpp, bf16, skipped where the CPU has no AMX-BF16.
-`vector`: csrc/cpu_prefill_attention.cpp's AVX-512F tiles, float32 and bf16, with the AMX path
+`amx`: csrc/cpu/cpu_prefill_attention_amx.cpp, bf16, skipped where the CPU has no AMX-BF16.
+`vector`: csrc/cpu/cpu_prefill_attention.cpp's AVX-512F tiles, float32 and bf16, with the AMX path
 turned off (cpu_attention_amx(False)) so AMX machines run them too; skipped without AVX-512F."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""csrc/cpu_quant_panels.h: GGUF Q4_1 / Q8_0 blocks as panels. Their dequantized values are
+"""csrc/cpu/cpu_quant_panels.h: GGUF Q4_1 / Q8_0 blocks as panels. Their dequantized values are
 ggml's reference dequantization (gguf.dequantize) bit for bit, and the bf16 and float32 panel
 GEMMs give bit for bit the results of their own panels packed from those values, on every row
 path (one row, AMX tiles of up to 16 rows, chunked passes past 16, the vdpbf16ps tiles, and

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from engine.ops import registry
 from engine.models.cpu_gemm import PackedLinear, fused_linear
 from engine.models.layers import Linear
 from engine.worker.sampler import row_argmax
@@ -105,7 +106,7 @@ def test_bf16_linear_with_both_copies_picks_by_rows(monkeypatch):
         out = packed(x)
         if rows <= 8:
             assert packed.uses_panels(rows)
-            assert torch.equal(out, torch.ops.kvsentry.bf16_gemm(x, packed.panels, bias, 96))
+            assert torch.equal(out, registry.op("bf16_gemm")(x, packed.panels, bias, 96))
         else:
             assert not packed.uses_panels(rows)
             assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [None], ""))
@@ -119,7 +120,7 @@ def test_panel_copies_follow_the_cpu_and_the_switch(monkeypatch):
     if not _panels_and_onednn():
         pytest.skip("no bf16 panels or no oneDNN bf16 here")
     weight = torch.randn(64, 32).bfloat16()
-    amx = "amx" in torch.ops.kvsentry.bf16_gemm_kernels()
+    amx = "amx" in registry.op("bf16_gemm_kernels")()
     packed = PackedLinear(weight)
     if amx:
         assert packed.panels is not None and packed.onednn and packed.panel_max_rows == cpu_gemm.AMX_PANEL_MAX_ROWS
@@ -132,7 +133,7 @@ def test_panel_copies_follow_the_cpu_and_the_switch(monkeypatch):
 
 
 def test_float32_linear_keeps_both_copies_and_picks_by_rows(monkeypatch):
-    """float32 on CPUs with AVX-512F: panels (csrc/cpu_f32_gemm.cpp) up to F32_PANEL_MAX_ROWS
+    """float32 on CPUs with AVX-512F: panels (csrc/cpu/cpu_f32_gemm.cpp) up to F32_PANEL_MAX_ROWS
     rows, oneDNN's weight beyond, each bit for bit what that kernel computes alone and both
     near F.linear; KVSENTRY_DISABLE_F32_PANELS=1 keeps oneDNN's weight alone."""
     from engine.models import cpu_gemm
@@ -151,7 +152,7 @@ def test_float32_linear_keeps_both_copies_and_picks_by_rows(monkeypatch):
         out = packed(x)
         if rows <= limit:
             assert packed.uses_panels(rows)
-            assert torch.equal(out, torch.ops.kvsentry.f32_gemm(x, packed.panels, bias, 96))
+            assert torch.equal(out, registry.op("f32_gemm")(x, packed.panels, bias, 96))
         else:
             assert not packed.uses_panels(rows)
             assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [None], ""))

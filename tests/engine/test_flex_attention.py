@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.ops import flex_attention
-from engine.ops.attention import AttentionMetadata, DecodePlan, decode_attention_reference, paged_attention
+from engine.ops.attention import AttentionMetadata, DecodePlan, decode_attention_reference
+from engine.ops.attention_backends import paged_attention
 from engine.paging import NULL_BLOCK_ID, PAD_SLOT_ID
 
 pytestmark = pytest.mark.skipif(not flex_attention.available(), reason="torch has no FlexAttention")

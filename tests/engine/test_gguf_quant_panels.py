@@ -1,5 +1,5 @@
 """A GGUF checkpoint's Q4_1 and Q8_0 linears run from their own blocks on CPU
-(engine/models/cpu_gemm.py's quant_panels, csrc/cpu_quant_panels.h): the fused q|k|v and
+(engine/models/cpu_gemm.py's quant_panels, csrc/cpu/cpu_quant_panels.h): the fused q|k|v and
 gate|up, o_proj, down_proj and a tied LM head hold uint8 panels, and the engine serves exactly
 the tokens and log-probs it serves from the plain panels (KVSENTRY_DISABLE_QUANT_PANELS=1)."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.ops import registry
 from engine.models.cpu_gemm import QUANT_PANEL_MAX_ROWS, QUANT_ROWS_BESIDE_DENSE, PackedLinear
 from tests.engine.gguf_convert import write_gguf
 
@@ -17,8 +18,8 @@ Q = gguf.GGMLQuantizationType
 
 def _quant_supported(dtype: torch.dtype) -> bool:
     from engine.ops import cpu_ops
-    return (cpu_ops.available() and hasattr(torch.ops.kvsentry, "quant_panels_supported")
-            and bool(torch.ops.kvsentry.quant_panels_supported(dtype)))
+    return (cpu_ops.available() and registry.has("quant_panels_supported")
+            and bool(registry.op("quant_panels_supported")(dtype)))
 
 
 def _packed(llm: LLM) -> list[PackedLinear]:
@@ -76,17 +77,17 @@ def test_quantized_linear_keeps_onednn_past_its_row_limit_on_amx():
     from engine.models import cpu_gemm
     if not (_quant_supported(torch.bfloat16) and cpu_gemm.onednn_supports(torch.zeros(64, 32).bfloat16())):
         pytest.skip("no bf16 quantized panels or no oneDNN bf16 here")
-    if "amx" not in torch.ops.kvsentry.bf16_gemm_kernels():
+    if "amx" not in registry.op("bf16_gemm_kernels")():
         pytest.skip("no AMX here")
     weight, packed = _q4_1_linear(5)
     limit = QUANT_PANEL_MAX_ROWS[torch.bfloat16]
     assert packed.panels.dtype == torch.uint8 and packed.onednn and packed.panel_max_rows == limit
     assert packed.wide_panels is None
-    dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
+    dense = registry.op("bf16_gemm_pack")(weight)
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 64).bfloat16()
-        want = (torch.ops.kvsentry.bf16_gemm(x, dense, None, 96) if rows <= limit
+        want = (registry.op("bf16_gemm")(x, dense, None, 96) if rows <= limit
                 else torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [None], ""))
         assert packed.uses_panels(rows) == (rows <= limit)
         assert torch.equal(packed(x), want)
@@ -105,14 +106,14 @@ def test_quantized_linear_beside_dense_panels_without_amx(monkeypatch):
     weight, packed = _q4_1_linear(5)
     assert packed.panels.dtype == torch.uint8 and not packed.onednn
     assert packed.panel_max_rows == QUANT_ROWS_BESIDE_DENSE and packed.wide_panels.dtype == torch.bfloat16
-    dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
+    dense = registry.op("bf16_gemm_pack")(weight)
     assert torch.equal(packed.wide_panels, dense) and packed.large_weight is packed.wide_panels
     for rows in (1, QUANT_ROWS_BESIDE_DENSE, QUANT_ROWS_BESIDE_DENSE + 1, 8, 300):
         x = torch.randn(rows, 64).bfloat16()
         assert packed.uses_panels(rows) == (rows <= QUANT_ROWS_BESIDE_DENSE)
-        assert torch.equal(packed(x), torch.ops.kvsentry.bf16_gemm(x, dense, None, 96)), rows
-        assert torch.equal(torch.ops.kvsentry.bf16_gemm(x, packed.panels, None, 96),
-                           torch.ops.kvsentry.bf16_gemm(x, dense, None, 96)), rows
+        assert torch.equal(packed(x), registry.op("bf16_gemm")(x, dense, None, 96)), rows
+        assert torch.equal(registry.op("bf16_gemm")(x, packed.panels, None, 96),
+                           registry.op("bf16_gemm")(x, dense, None, 96)), rows
 
 
 def test_quantized_linear_alone_where_bf16_multiplies_in_float32(monkeypatch):
@@ -130,11 +131,11 @@ def test_quantized_linear_alone_where_bf16_multiplies_in_float32(monkeypatch):
     weight, packed = _q4_1_linear(6)
     assert packed.panels.dtype == torch.uint8 and not packed.onednn and packed.panel_max_rows is None
     assert packed.wide_panels is None
-    dense = torch.ops.kvsentry.bf16_gemm_pack(weight)
+    dense = registry.op("bf16_gemm_pack")(weight)
     for rows in (1, 129, 300):
         x = torch.randn(rows, 64).bfloat16()
         assert packed.uses_panels(rows)
-        for kernel in torch.ops.kvsentry.bf16_gemm_kernels():
-            assert torch.equal(torch.ops.kvsentry.bf16_gemm_with(x, packed.panels, None, 96, kernel),
-                               torch.ops.kvsentry.bf16_gemm_with(x, dense, None, 96, kernel)), (rows, kernel)
+        for kernel in registry.op("bf16_gemm_kernels")():
+            assert torch.equal(registry.debug_ops().bf16_gemm_with(x, packed.panels, None, 96, kernel),
+                               registry.debug_ops().bf16_gemm_with(x, dense, None, 96, kernel)), (rows, kernel)
         torch.testing.assert_close(packed(x).float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)

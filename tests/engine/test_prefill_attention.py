@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-import engine.ops.attention as attention
+import engine.ops.attention_backends as attention
 from engine.config import EngineConfig
 from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest

@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from engine.ops import registry
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when torch.cuda.is_available() is False")
@@ -33,5 +35,5 @@ def cuda_kernels():
     from engine.ops import cuda_ops
     os.environ["KVSENTRY_REQUIRE_CUDA_OPS"] = "1"
     assert cuda_ops.available(), "torch.cuda is available but the kvsentry CUDA ops are not"
-    assert torch.ops.kvsentry.built_with_cuda()
+    assert registry.op("built_with_cuda")()
     return cuda_ops

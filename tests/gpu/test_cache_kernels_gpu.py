@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.ops import registry
+
 from engine.ops import kv_writer
 from engine.paging import PAD_SLOT_ID
 from tests.csrc.cases import (DTYPE_IDS, DTYPES, FP8, check_kv_write, check_mla_write, kv_case, mla_case,
@@ -64,7 +66,7 @@ def test_kernels_equal_the_host_run_of_their_code(cuda_kernels, kind, scale):
         cpu_case = kv_case(dtype, cache_dtype_of(dtype, kind), layout="qkv_slice", device="cpu")
         for case, device in ((cuda_case, "cuda"), (cpu_case, "cpu")):
             s = None if scale is None else torch.tensor([scale], device=device)
-            torch.ops.kvsentry.reshape_and_cache_flash(*case, None, s)
+            registry.op("reshape_and_cache_flash")(*case, None, s)
         assert torch.equal(raw(cuda_case[2]).cpu(), raw(cpu_case[2]))
         assert torch.equal(raw(cuda_case[3]).cpu(), raw(cpu_case[3]))
 
@@ -211,7 +213,7 @@ def test_wrapper_accepts_rows_that_are_not_contiguous(cuda_kernels):
 def test_clear_errors(cuda_kernels):
     key, value, k_cache, v_cache, slots = kv_case(torch.float16, torch.float16, device="cuda")
     with pytest.raises(RuntimeError, match="all tensors must be on one device"):
-        torch.ops.kvsentry.reshape_and_cache_flash(key, value, k_cache, v_cache, slots.cpu())
+        registry.op("reshape_and_cache_flash")(key, value, k_cache, v_cache, slots.cpu())
     with pytest.raises(RuntimeError, match="must equal key dtype"):
         cuda_kernels.reshape_and_cache_flash(key.float(), value.float(), k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="CUDA device"):

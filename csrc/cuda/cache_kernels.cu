@@ -14,7 +14,7 @@
 // pointers, strides and the current stream through cache_kernels.h.
 #include <cuda_runtime.h>
 
-#include "cache_kernels.cuh"
+#include "../common/cache_kernels.cuh"
 
 namespace kvsentry {
 

@@ -9,7 +9,8 @@
 //            -> [M, N] bf16: x @ weight^T (+ bias), products summed in float32, rounded once;
 //            `packed` may also be quant_panels_pack's GGUF blocks (cpu_quant_panels.h), each
 //            block dequantized into L1 right before its tiles: the same results, bit for bit
-//   y = torch.ops.kvsentry.bf16_gemm_with(x, packed, bias, N, kernel)   one kernel by name
+//   y = torch.ops.kvsentry_debug.bf16_gemm_with(x, packed, bias, N, kernel)   one kernel by name
+//            (the test build only: engine/ops/library.py, debug=True)
 //   torch.ops.kvsentry.bf16_gemm_supported() -> bool            built with it and the CPU has it
 //   torch.ops.kvsentry.bf16_gemm_kernels() -> str[]             the kernels this CPU runs, best first:
 //            "amx" (AMX-BF16 tiles), "avx512_bf16" (vdpbf16ps) and "avx512f" (float32 FMAs on
@@ -462,10 +463,12 @@ Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& 
              kvsentry_amx::supported() ? Kernel::kAmx : supported() ? Kernel::kAvx512Bf16 : Kernel::kAvx512F);
 }
 
+#ifdef KVSENTRY_DEBUG_OPS
 Tensor gemm_with(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n,
                  c10::string_view kernel) {
   return run(x, packed, bias, n, kernel_named(std::string(kernel)));
 }
+#endif
 
 bool gemm_supported() { return supported() || kvsentry_f32::supported(); }
 
@@ -482,7 +485,6 @@ std::vector<std::string> gemm_kernels() {
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("bf16_gemm_pack(Tensor weight) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("bf16_gemm_with(Tensor x, Tensor packed, Tensor? bias, int n, str kernel) -> Tensor");
   m.def("bf16_gemm_supported() -> bool", &gemm_supported);
   m.def("bf16_gemm_kernels() -> str[]", &gemm_kernels);
 }
@@ -490,5 +492,13 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("bf16_gemm_pack", &pack);
   m.impl("bf16_gemm", &gemm);
-  m.impl("bf16_gemm_with", &gemm_with);
 }
+
+#ifdef KVSENTRY_DEBUG_OPS
+// One kernel by name (tests and benchmarks/bf16_gemm.py hold each to the others).
+TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) {
+  m.def("bf16_gemm_with(Tensor x, Tensor packed, Tensor? bias, int n, str kernel) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvsentry_debug, CPU, m) { m.impl("bf16_gemm_with", &gemm_with); }
+#endif

@@ -46,6 +46,7 @@
 #include "cpu_attention_amx.h"
 #include "cpu_fast_exp.h"
 #include "cpu_paged_prefetch.h"
+#include "../common/debug_switch.h"
 
 namespace {
 
@@ -263,9 +264,9 @@ bool cpu_has_bf16_dot() { return false; }
 #endif
 
 // Tests turn the bf16 dot product off to check the widening path on the same CPU, and the
-// AMX path (cpu_attention_amx.cpp) off to check the vector kernel's.
-std::atomic<bool> g_bf16_dot_enabled{true};
-std::atomic<bool> g_amx_enabled{true};
+// AMX path (cpu_attention_amx.cpp) off to check the vector kernel's (debug builds only).
+kvsentry_debug::Switch g_bf16_dot_enabled;
+kvsentry_debug::Switch g_amx_enabled;
 
 // Ask for the next block's rows while this block computes: table order is arbitrary, so
 // the hardware prefetcher cannot guess it, and the kernel is otherwise memory-latency bound.
@@ -408,7 +409,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
   const int64_t ts0 = block_tables.stride(0), ts1 = block_tables.stride(1);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   [[maybe_unused]] const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0 &&
-                                         cpu_has_bf16_dot() && g_bf16_dot_enabled.load(std::memory_order_relaxed);
+                                         cpu_has_bf16_dot() && g_bf16_dot_enabled.on();
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     using Ops = RowOps<kWide>;
@@ -638,31 +639,38 @@ void paged_decode_attention_meta(Tensor& out, const Tensor& query, const Tensor&
   check(out, query, key_cache, value_cache, block_tables, seq_lens, read_blocks, num_read_blocks);
 }
 
+#ifdef KVSENTRY_DEBUG_OPS
 // Whether bf16 scores use AVX512-BF16 dot products (the CPU has them and they are not
 // turned off); `enable` turns them on or off first (tests check both paths on one CPU).
 bool cpu_bf16_dot(std::optional<bool> enable) {
-  if (enable.has_value()) g_bf16_dot_enabled.store(*enable);
-  return cpu_has_bf16_dot() && g_bf16_dot_enabled.load();
+  if (enable.has_value()) g_bf16_dot_enabled.set(*enable);
+  return cpu_has_bf16_dot() && g_bf16_dot_enabled.on();
 }
 
 // Whether bf16 caches of the shapes they take go through the AMX paths, decode's and prefill's
 // (the CPU has AMX-BF16 and they are not turned off); `enable` turns them on or off first.
 bool cpu_attention_amx(std::optional<bool> enable) {
-  if (enable.has_value()) g_amx_enabled.store(*enable);
-  return kvsentry_amx::supported() && g_amx_enabled.load();
+  if (enable.has_value()) g_amx_enabled.set(*enable);
+  return kvsentry_amx::supported() && g_amx_enabled.on();
 }
+#endif
 
 }  // namespace
 
-bool kvsentry_amx::attention_amx_enabled() { return g_amx_enabled.load(std::memory_order_relaxed); }
+bool kvsentry_amx::attention_amx_enabled() { return g_amx_enabled.on(); }
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor? read_blocks, int num_read_blocks, float scale) -> ()");
+}
+
+#ifdef KVSENTRY_DEBUG_OPS
+TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) {
   m.def("cpu_bf16_dot(bool? enable=None) -> bool", &cpu_bf16_dot);
   m.def("cpu_attention_amx(bool? enable=None) -> bool", &cpu_attention_amx);
 }
+#endif
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention_cpu); }
 

@@ -400,12 +400,14 @@ std::tuple<Tensor, Tensor> norm_cpu(const Tensor& x, const std::optional<Tensor>
   return {out, res};
 }
 
+#ifdef KVSENTRY_DEBUG_OPS
 // The lanes of the row-sum replica the norms use for rows of n (16 or 8), 0 where they call at::sum.
 int64_t norm_sum_lanes(int64_t n) {
   const RowSum chosen = row_sum_for(n);
   if (chosen == nullptr) return 0;
   return chosen == RowSum{&torch_row_sum<8>} ? 8 : 16;
 }
+#endif
 
 Tensor rms_norm_cpu(const Tensor& x, const Tensor& weight, double eps) {
   return std::get<0>(norm_cpu(x, std::nullopt, weight, eps));
@@ -667,9 +669,12 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.def("norm_sum_lanes(int n) -> int", &norm_sum_lanes);
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
 }
+
+#ifdef KVSENTRY_DEBUG_OPS
+TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) { m.def("norm_sum_lanes(int n) -> int", &norm_sum_lanes); }
+#endif
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);

@@ -426,7 +426,7 @@ inline int dispatch(const Plan& plan, int64_t in_dtype, F&& f) {
 inline const char* kvs_status_name(int status) {
   switch (status) {
     case KVS_OK: return "ok";
-    case KVS_ERR_NO_CUDA: return "kvsentry was built without its CUDA kernels (csrc/cache_kernels.cu)";
+    case KVS_ERR_NO_CUDA: return "kvsentry was built without its CUDA kernels (csrc/cuda/cache_kernels.cu)";
     case KVS_ERR_BAD_DTYPE: return "unsupported (input, cache) dtype pair";
     default: return nullptr;
   }

@@ -260,6 +260,7 @@ void concat_and_cache_mla_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor& k
                kvsentry_concat_and_cache_mla_cuda(&p, current_cuda_stream(kv_cache.device())));
 }
 
+#ifdef KVSENTRY_DEBUG_OPS
 // {supported, fp8, width, threads_per_token} of the plan a write would use.
 std::vector<int64_t> plan_reshape_and_cache_flash(const Tensor& key, const Tensor& value, const Tensor& k_cache,
                                                   const Tensor& v_cache, const Tensor& slot_mapping,
@@ -279,6 +280,7 @@ std::vector<int64_t> plan_concat_and_cache_mla(const Tensor& kv_c, const Tensor&
   kvsentry_plan_concat_and_cache_mla(&p, out.data());
   return out;
 }
+#endif
 
 bool built_with_cuda() {
 #ifdef KVSENTRY_WITH_CUDA
@@ -299,9 +301,15 @@ TORCH_LIBRARY(kvsentry, m) {
   m.def(
       "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor(b!)? null_block_writes=None, Tensor? scale=None) -> ()");
-  // Build facts, for cuda_ops and the tests (no tensors, no dispatch key).
+  // Build facts, for engine/ops/library.py and the tests (no tensors, no dispatch key).
   m.def("built_with_cuda() -> bool", &built_with_cuda);
   m.def("abi_version() -> int", &abi_version);
+}
+
+#ifdef KVSENTRY_DEBUG_OPS
+// The test build's own namespace: introspection and switches that tests use to reach each
+// kernel path on one CPU. The production library registers none of it (common/debug_switch.h).
+TORCH_LIBRARY(kvsentry_debug, m) {
   m.def("plan_reshape_and_cache_flash(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, "
         "Tensor slot_mapping, Tensor? scale=None) -> int[]",
         &plan_reshape_and_cache_flash);
@@ -309,6 +317,7 @@ TORCH_LIBRARY(kvsentry, m) {
         "Tensor? scale=None) -> int[]",
         &plan_concat_and_cache_mla);
 }
+#endif
 
 TORCH_LIBRARY_IMPL(kvsentry, CUDA, m) {
   m.impl("reshape_and_cache_flash", &reshape_and_cache_flash_cuda);

@@ -10,8 +10,8 @@
 //     positions    [T] int64
 //     weights      6 per layer: input norm [N], q|k|v packed, o packed, post-attention norm [N],
 //                  gate|up packed, down packed (engine/models/cpu_gemm.py's PackedLinear): each
-//                  linear is oneDNN's packed weight or panels: bf16_gemm's (csrc/cpu_bf16_gemm.cpp)
-//                  or f32_gemm's (csrc/cpu_f32_gemm.cpp)
+//                  linear is oneDNN's packed weight or panels: bf16_gemm's (csrc/cpu/cpu_bf16_gemm.cpp)
+//                  or f32_gemm's (csrc/cpu/cpu_f32_gemm.cpp)
 //     biases       4 per layer (None where the layer has none): q|k|v, o, gate|up, down
 //     out_features 4 per layer: the linears' output widths (panels are padded to 64)
 //     qk_norms     2 per layer (Qwen3's per-head q and k norms [D]) or none at all
@@ -21,7 +21,7 @@
 //     prefill_*    rows [prefill_first, prefill_last): prefill tokens as one-query rows
 //                  (engine/ops/attention.py's PrefillPlan); prefill_last == prefill_first: none
 //     prefill_tile_seq_lens, prefill_tile_starts (optional): the prefill requests' chunks run
-//                  through paged_prefill_attention instead (csrc/cpu_prefill_attention.cpp):
+//                  through paged_prefill_attention instead (csrc/cpu/cpu_prefill_attention.cpp):
 //                  prefill_tables then holds one row per request, these their lengths and
 //                  query_starts (attention.py's prefill_in_tiles path)
 //     returns      the hidden state after the last layer (before the final norm), [T, N]

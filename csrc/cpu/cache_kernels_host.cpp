@@ -6,7 +6,7 @@
 //
 // Built without KVSENTRY_WITH_CUDA (a CPU-only build), this file also
 // provides the GPU entry points as stubs that report KVS_ERR_NO_CUDA.
-#include "cache_kernels.cuh"
+#include "../common/cache_kernels.cuh"
 
 namespace kvsentry {
 namespace {
