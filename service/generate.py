@@ -296,3 +296,10 @@ def start_generation(state: AppState, request, prefix: str, route: str, prompts:
                             request.scope.get("state"))
     generation.submit()
     return generation
+
+
+def check_max_logprobs(state: AppState, value: int | None, param: str) -> None:
+    """The server's --max-logprobs (vLLM's flag): a request asking for more is a 400."""
+    limit = state.settings.max_logprobs
+    if value is not None and value > limit:
+        raise bad_request(f"{param}: at most {limit} (the server's --max-logprobs)", param)

@@ -1,9 +1,20 @@
 """The OpenAI / vLLM wire format: request and response models (pydantic 2).
 
-Requests are strict (no "5" for 5, no "yes" for true, no NaN) and ignore
-unknown fields, as the OpenAI API does. A sampling field takes its default and
-its bounds from `engine.SamplingParams` (`engine_field`), and reaches it under its
-own name (`ENGINE_SAMPLING_FIELDS`), so the two layers cannot disagree.
+Requests are strict (no "5" for 5, no "yes" for true, no NaN) and refuse unknown
+fields, as the OpenAI API does: `{"foo": 1}` is a 400 "Unrecognized request argument
+supplied: foo" with `param` "foo" (service/errors.py), at any depth. A sampling field
+takes its default and its bounds from `engine.SamplingParams` (`engine_field`), and
+reaches it under its own name (`ENGINE_SAMPLING_FIELDS`), so the two layers cannot disagree.
+
+Every field a request may carry is one of three kinds:
+- implemented: it changes the output as OpenAI or vLLM define it;
+- refused when set (`Unsupported`): it would change the output and kvsentry does not
+  implement it, so a request that sets it is a 400 naming it;
+- accepted and without effect (`HARMLESS_FIELDS`): bookkeeping that changes no token.
+  The list is what the clients people use send (the `openai` client, LangChain's
+  ChatOpenAI, LiteLLM; tests/service/test_clients.py drives each against a server):
+  `user`, `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
+  `prompt_cache_retention`. Each is typed: a value of the wrong type is still a 400.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ def engine_field(name: str, default: Any = ..., **constraints: Any) -> Any:
 
 
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class Response(BaseModel):
@@ -63,7 +74,7 @@ class StreamOptions(StrictRequest):
 
 
 class JsonSchemaFormat(StrictRequest):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -71,14 +82,14 @@ class JsonSchemaFormat(StrictRequest):
 
 
 class StructuralTagItem(StrictRequest):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     begin: str
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     end: str
 
 
 class ResponseFormat(StrictRequest):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     # type structural_tag (vLLM's form): free text until a trigger, then one of the structures.
@@ -88,7 +99,7 @@ class ResponseFormat(StrictRequest):
 
 class StructuredOutputsRequest(StrictRequest):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar."""
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -117,7 +128,14 @@ class SamplingFields(StrictRequest):
     skip_special_tokens: bool = engine_field("skip_special_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # HARMLESS_FIELDS: accepted, change no token (the module docstring says why each is here).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     logit_bias: Unsupported = None
@@ -138,8 +156,11 @@ class SamplingFields(StrictRequest):
 # structured_outputs is vLLM's request object; service/structured.py turns it into the engine's spec.
 ENGINE_SAMPLING_FIELDS = tuple(name for name in SamplingFields.model_fields
                                if name in SamplingParams.__struct_fields__ and name != "structured_outputs")
+# Accepted and without effect on the tokens: what clients send for their own bookkeeping.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
+                             "prompt_cache_key", "prompt_cache_retention"})
 # The fields that do not change which tokens come out.
-TRANSPORT_FIELDS = frozenset({"model", "stream", "stream_options", "user"})
+TRANSPORT_FIELDS = frozenset({"model", "stream", "stream_options"}) | HARMLESS_FIELDS
 # The fields that become the engine's grammar (service/structured.py).
 GRAMMAR_FIELDS = frozenset({"response_format", "structured_outputs"})
 
@@ -241,6 +262,9 @@ class NamedToolChoice(StrictRequest):
     function: NamedFunction
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 def _refuse_modalities(value: list[str] | None) -> list[str] | None:
     if value not in (None, ["text"]):
         raise ValueError("only [\"text\"] is supported")
@@ -263,6 +287,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = engine_field("logprobs")
     add_generation_prompt: bool = True
+    # vLLM's chat extensions (service/chat_render.py says how each reaches the template).
+    continue_final_message: bool = False
+    echo: bool = False
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class TopLogprob(BaseModel):
@@ -347,6 +377,9 @@ class TokenizeRequest(StrictRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
