@@ -222,7 +222,7 @@ class Generation:
         }
         if self.state.settings.log_prompts:
             fields["prompts_text"] = [p.text if p.text is not None else p.token_ids for p in self.prompts]
-        log_event(logger, "request", **fields)
+        log_event(logger, "request", logging.INFO if self.state.settings.log_requests else logging.DEBUG, **fields)
         self.scope_state["logged"] = True
 
     def close_stream(self) -> None:
