@@ -45,6 +45,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         entry = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
             entry["name"] = message.name
+        thought = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+        if thought is not None:  # under both names, as vLLM passes it: templates read one or the other
+            entry["reasoning_content"] = entry["reasoning"] = thought
         out.append(entry)
     return out
 

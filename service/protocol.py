@@ -15,6 +15,9 @@ Every field a request may carry is one of three kinds:
   ChatOpenAI, LiteLLM; tests/service/test_clients.py drives each against a server):
   `user`, `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
   `prompt_cache_retention`. Each is typed: a value of the wrong type is still a 400.
+  In a message, an assistant turn sent back as the reply came (the openai and LiteLLM
+  agent loops do) may carry `refusal`, `annotations` and LiteLLM's `provider_specific_fields`;
+  its `reasoning_content` / `reasoning` reach the chat template, as in vLLM.
 """
 from __future__ import annotations
 
@@ -238,7 +241,15 @@ class ChatMessage(StrictRequest):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None           # a tool turn: the call it answers
+    # An assistant turn sent back as it came: its thinking reaches the template (which may show or
+    # drop it, as Qwen3's does); a refusal and annotations are the reply's bookkeeping.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    provider_specific_fields: dict[str, Any] | None = None  # LiteLLM's copy of the reply's extra fields
     function_call: Unsupported = None
+    audio: Unsupported = None
 
 
 class FunctionDefinition(StrictRequest):
