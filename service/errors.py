@@ -81,7 +81,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return error_response(400, f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
-    unknown = [validation_param(tuple(e.get("loc", ())))[0] for e in errors if e.get("type") == "extra_forbidden"]
+    unknown = [_full_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         return _unrecognized(unknown)
     param, _ = validation_param(tuple(first.get("loc", ())))
@@ -99,6 +99,12 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if first.get("type", "").startswith(("greater", "less", "too_", "finite")):
         code = "invalid_value"
     return error_response(400, message, param, code)
+
+
+def _full_path(loc: tuple) -> str | None:
+    """The field's whole path, the union members pydantic names on the way left out."""
+    parts = loc[1:] if loc and loc[0] == "body" else loc
+    return ".".join(str(part) for part in parts if not _is_union_tag(part)) or None
 
 
 def _unrecognized(fields: list[str | None]) -> JSONResponse:

@@ -222,6 +222,12 @@ class CompletionResponse(Response):
 class ContentPart(StrictRequest):
     type: str
     text: str | None = None
+    # The other part types' payloads: typed so that the renderer refuses the part by its type
+    # ("only text parts are supported"), not by an unknown key.
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    video_url: Any = None
 
 
 class FunctionCall(StrictRequest):
