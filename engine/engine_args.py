@@ -7,6 +7,7 @@ for the keywords create() passes through, from the EngineConfig field, so `kvsen
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -35,10 +36,15 @@ class EngineArg:
     flag: str = ""                             # when not --<name with dashes>
     type: Callable[[str], Any] | None = None   # parses the flag's value; None: the default's type
     choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()              # other spellings (vLLM's), same meaning
 
     @property
     def option(self) -> str:
         return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return (self.option, *self.aliases)
 
     @property
     def default(self) -> Any:
@@ -53,6 +59,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def parse_dtype(text: str) -> str:
+    """--dtype in kvsentry's names, vLLM's 'float' (float32) included."""
+    if text in ("half", "float16"):
+        raise argparse.ArgumentTypeError(f"{text} is not supported: use bfloat16 (or float32)")
+    return {"float": "float32"}.get(text, text)
+
+
 ENGINE_ARGS = (
     EngineArg("tokenizer", "tokenizer directory (tokenizer.json) or .gguf file to use instead of the model's "
               "own (none given: the model's)", type=str),
@@ -61,15 +74,16 @@ ENGINE_ARGS = (
     EngineArg("block_size", "tokens per KV cache block (a power of two)"),
     EngineArg("max_num_seqs", "most requests per batch per rank"),
     EngineArg("max_num_batched_tokens", "token budget of one step per rank; longer prompts are prefilled in chunks"),
-    EngineArg("kv_cache_memory", "KV cache budget per rank, e.g. 4GiB or 512MiB"),
+    EngineArg("kv_cache_memory", "KV cache budget per rank, e.g. 4GiB or 512MiB", aliases=("--kv-cache-memory-bytes",)),
     EngineArg("num_gpu_blocks", "number of KV cache blocks per rank; overrides --kv-cache-memory", type=int),
-    EngineArg("dtype", "weights and activations dtype (auto = float32)", choices=("auto", "float32", "bfloat16")),
+    EngineArg("dtype", "weights and activations dtype (auto = float32; vLLM's 'float' is float32; float16 is not "
+              "supported, use bfloat16)", type=parse_dtype, choices=("auto", "float32", "bfloat16")),
     EngineArg("device", "where the ranks run: cpu, cuda (local rank l on cuda:l of the visible GPUs) or "
               "cuda:N (one local rank only)", type=str),
     EngineArg("enable_prefix_caching", "reuse KV blocks of identical prompt prefixes"),
     EngineArg("seed", "seed of requests that give none"),
     EngineArg("num_threads", "torch threads per rank (0: CPU cores / local ranks)", flag="--threads"),
-    EngineArg("data_parallel_size", "DP ranks in the whole group", group="data parallel"),
+    EngineArg("data_parallel_size", "DP ranks in the whole group", group="data parallel", aliases=("-dp",)),
     EngineArg("data_parallel_size_local", "DP ranks this node runs (none given: all of them)",
               group="data parallel", type=int),
     EngineArg("data_parallel_start_rank", "first DP rank this node runs (worker nodes of a multi-node group)",

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.frontend.chat_template import ChatTemplate
 from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.tokenizer import build_tokenizer
 
@@ -24,7 +23,7 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         """`path`: a directory with tokenizer.json (and tokenizer_config.json, ...) or a .gguf file."""
         root = Path(path)
-        self._template: jinja2.Template | None = None
+        self._template: ChatTemplate | None = None
         if is_gguf_path(root):
             gguf = build_tokenizer(read_gguf(root))
             self.backend = gguf.backend
@@ -70,18 +69,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.backend.id_to_token(token_id) or ""
 
+    @property
+    def template(self) -> ChatTemplate | None:
+        """The checkpoint's chat template, compiled on first use."""
+        if self._template is None and self.chat_template is not None:
+            self._template = ChatTemplate(self.chat_template)
+        return self._template
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        if self.chat_template is None:
+                            template: ChatTemplate | None = None, **kwargs: Any) -> str:
+        """`template`: another template than the checkpoint's (a server's or a request's)."""
+        template = template or self.template
+        if template is None:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-
-
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"messages: {message}")
+        return template.render(messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from service import __version__
-from service.chat import render_chat
+from service.chat_render import render_chat
 from service.chat import router as chat_router
 from service.completions import router as completions_router
 from service.errors import bad_request, error_response, install_error_handlers
@@ -61,7 +61,7 @@ def build_app(state: AppState) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages: must not be empty", "messages")
-            ids = render_chat(state, body.messages, body.add_generation_prompt).token_ids
+            ids = render_chat(state, body).token_ids
         else:
             ids = encode(state, body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=state.config.max_model_len, tokens=ids,

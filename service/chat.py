@@ -4,57 +4,25 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import bad_request, from_value_error
-from service.generate import (EngineFailed, Generation, PromptInput, complete, encode, request_params,
+from service.chat_render import echoed_text, render_chat
+from service.errors import bad_request
+from service.generate import (EngineFailed, Generation, check_max_logprobs, complete, request_params,
                               start_generation)
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                              ChatLogprobs, ChatMessage, UsageInfo)
+                              ChatLogprobs, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
 from service.tool_stream import ToolCallStream
 from service.structured import after_reasoning, compile_or_refuse, request_grammar
 from service.reasoning import ReasoningStream, split_reasoning
-from service.tools import ToolPlan, new_call_id, plan_tools, tool_messages
+from service.tools import ToolPlan, new_call_id, plan_tools
 
 router = APIRouter()
 ROUTE = "/v1/chat/completions"
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages.{i}.content: only text parts are supported "
-                                      f"(got type {part.type!r})", f"messages.{i}.content")
-            content = [{"type": "text", "text": part.text} for part in content]
-        entry = {"role": message.role, "content": content if content is not None else ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        out.append(entry)
-    return out
-
-
-def render_chat(state: AppState, messages: list[ChatMessage], add_generation_prompt: bool,
-                body: ChatCompletionRequest | None = None) -> PromptInput:
-    try:
-        rendered, extra = template_messages(messages), {}
-        if body is not None:
-            rendered, extra = tool_messages(messages, rendered, body, state.tokenizer.chat_template or "")
-        text = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **extra)
-    except ValueError as exc:
-        raise from_value_error(exc, "messages") from None
-    except jinja2.TemplateError as exc:
-        raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
-    # The template writes the BOS token itself.
-    return PromptInput(encode(state, text, "messages", add_special_tokens=False), text)
 
 
 @router.post(ROUTE, response_model=ChatCompletionResponse, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
@@ -63,6 +31,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    check_max_logprobs(state, body.top_logprobs, "top_logprobs")
     plan = plan_tools(body, state.settings.tool_call_parser)
     if plan is not None and plan.grammar is not None:
         structured = plan.grammar
@@ -72,7 +41,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     reasoning = state.settings.reasoning_parser is not None
     if reasoning and structured is not None:  # the grammar constrains the answer, not the thinking
         structured = after_reasoning(state, structured)
-    prompt = render_chat(state, body.messages, body.add_generation_prompt, body)
+    prompt = render_chat(state, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
                             logprobs=logprobs, param="messages", structured=structured)
@@ -82,11 +51,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return SSEResponse(_stream(state, gen, body, created, plan, reasoning), on_close=gen.close_stream)
     if not await complete(request, gen):
         return Response(status_code=499)
+    echo = echoed_text(body)
     choices = []
     for sample in gen.states[0].samples:
         logprobs_out = ChatLogprobs(content=state.formatter.chat(sample.logprobs)) if body.logprobs else None
         thought, text = split_reasoning(sample.text) if reasoning else (None, sample.text)
         content, calls = plan.calls(text) if plan is not None and text else (text, [])
+        if echo:
+            content = echo + (content or "")
         message = AssistantMessage(content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought)
         choices.append(ChatChoice(index=sample.index, message=message,
                                   logprobs=logprobs_out, finish_reason=_finish_reason(sample.finish_reason, calls),
@@ -142,6 +114,9 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     yield chunk([choice(j, {"role": "assistant", "content": ""}) for j in range(body.n)])
+    echo = echoed_text(body)
+    if echo:
+        yield chunk([choice(j, {"content": echo}) for j in range(body.n)])
     try:
         async for _ in gen.updates():
             request_state = gen.states[0]

@@ -18,6 +18,7 @@ from service.demo import DEFAULT_DEMO_DP, DEMOS, default_demo_path
 from service.state import ServeSettings
 from service.reasoning import REASONING_PARSERS
 from service.tools import TOOL_CALL_PARSERS
+from service.vllm_flags import add_vllm_flags, check_vllm_flags
 
 SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)
                      if f.default is not dataclasses.MISSING}
@@ -38,11 +39,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 def _add_engine_flag(group, arg: EngineArg) -> None:
     default = arg.default
     if isinstance(default, bool):
-        group.add_argument(arg.option, dest=arg.name, action=argparse.BooleanOptionalAction, default=default,
+        group.add_argument(*arg.options, dest=arg.name, action=argparse.BooleanOptionalAction, default=default,
                            help=arg.help)
         return
     parse = arg.type or type(default)
-    group.add_argument(arg.option, dest=arg.name, type=parse, default=default, choices=arg.choices, help=arg.help)
+    group.add_argument(*arg.options, dest=arg.name, type=parse, default=default, choices=arg.choices,
+                       help=arg.help)
 
 
 def _add_serve_parser(sub) -> None:
@@ -96,6 +98,7 @@ def _add_serve_parser(sub) -> None:
     groups = {name: serve.add_argument_group(name) for name in dict.fromkeys(arg.group for arg in ENGINE_ARGS)}
     for arg in ENGINE_ARGS:
         _add_engine_flag(groups[arg.group], arg)
+    add_vllm_flags(serve)
     groups["data parallel"].add_argument("--headless", action="store_true",
                                          help="run only this node's ranks, no HTTP server (worker nodes)")
 
@@ -127,12 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        check_vllm_flags(subcommand(parser, "serve"), args)
     if args.command == "serve" and args.demo is not None and args.model is not None:
         parser.error("serve: give MODEL or --demo, not both")
     if args.command == "serve" and args.demo is not None:
         # The demos are MoE models: they run DEFAULT_DEMO_DP ranks unless the command line says otherwise.
         subcommand(parser, "serve").set_defaults(data_parallel_size=DEFAULT_DEMO_DP)
         args = parser.parse_args(argv)
+        check_vllm_flags(subcommand(parser, "serve"), args)
     return args
 
 
@@ -166,7 +172,10 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
         health_stall_timeout=args.health_stall_timeout, shutdown_timeout=args.shutdown_timeout,
         log_prompts=args.log_prompts, enable_fault_injection=args.enable_fault_injection,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+        max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
+        uvicorn_log_level=args.uvicorn_log_level)
     return run(config, AsyncEngineClient(config), settings, args.host, args.port)
 
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.errors import bad_request
-from service.generate import (EngineFailed, Generation, PromptInput, complete, encode, request_params,
-                              start_generation)
+from service.generate import (EngineFailed, Generation, PromptInput, check_max_logprobs, complete, encode,
+                              request_params, start_generation)
 from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
@@ -55,6 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"n: {len(prompts)} prompts x n={body.n} choices exceed the limit of "
                           f"{MAX_CHOICES} per request", "n")
+    check_max_logprobs(state, body.logprobs, "logprobs")
     structured = request_grammar(state, body)
     params = request_params(state, body, prompts, max_tokens=body.max_tokens, logprobs=body.logprobs,
                             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,

@@ -1,7 +1,8 @@
 """Every error leaves as `{"error": {"message", "type", "param", "code"}}`, OpenAI style.
 
 Pydantic's 422 becomes a 400 naming the offending field (`param`), as the
-OpenAI API does; so do malformed JSON and undecodable bodies.
+OpenAI API does; so do malformed JSON and undecodable bodies. An unknown field reads as
+OpenAI words it: "Unrecognized request argument supplied: foo".
 """
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return error_response(400, f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
+    unknown = [_full_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return _unrecognized(unknown)
     param, _ = validation_param(tuple(first.get("loc", ())))
     if param is None and first.get("type") == "missing":
         return error_response(400, "request body is required (a JSON object)", None, "missing_body")
@@ -95,6 +99,19 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if first.get("type", "").startswith(("greater", "less", "too_", "finite")):
         code = "invalid_value"
     return error_response(400, message, param, code)
+
+
+def _full_path(loc: tuple) -> str | None:
+    """The field's whole path, the union members pydantic names on the way left out."""
+    parts = loc[1:] if loc and loc[0] == "body" else loc
+    return ".".join(str(part) for part in parts if not _is_union_tag(part)) or None
+
+
+def _unrecognized(fields: list[str | None]) -> JSONResponse:
+    names = list(dict.fromkeys(name for name in fields if name))
+    plural = "s" if len(names) > 1 else ""
+    return error_response(400, f"Unrecognized request argument{plural} supplied: {', '.join(names)}", names[0],
+                          "unknown_parameter")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -222,7 +222,7 @@ class Generation:
         }
         if self.state.settings.log_prompts:
             fields["prompts_text"] = [p.text if p.text is not None else p.token_ids for p in self.prompts]
-        log_event(logger, "request", **fields)
+        log_event(logger, "request", logging.INFO if self.state.settings.log_requests else logging.DEBUG, **fields)
         self.scope_state["logged"] = True
 
     def close_stream(self) -> None:
@@ -296,3 +296,10 @@ def start_generation(state: AppState, request, prefix: str, route: str, prompts:
                             request.scope.get("state"))
     generation.submit()
     return generation
+
+
+def check_max_logprobs(state: AppState, value: int | None, param: str) -> None:
+    """The server's --max-logprobs (vLLM's flag): a request asking for more is a 400."""
+    limit = state.settings.max_logprobs
+    if value is not None and value > limit:
+        raise bad_request(f"{param}: at most {limit} (the server's --max-logprobs)", param)

@@ -1,9 +1,23 @@
 """The OpenAI / vLLM wire format: request and response models (pydantic 2).
 
-Requests are strict (no "5" for 5, no "yes" for true, no NaN) and ignore
-unknown fields, as the OpenAI API does. A sampling field takes its default and
-its bounds from `engine.SamplingParams` (`engine_field`), and reaches it under its
-own name (`ENGINE_SAMPLING_FIELDS`), so the two layers cannot disagree.
+Requests are strict (no "5" for 5, no "yes" for true, no NaN) and refuse unknown
+fields, as the OpenAI API does: `{"foo": 1}` is a 400 "Unrecognized request argument
+supplied: foo" with `param` "foo" (service/errors.py), at any depth. A sampling field
+takes its default and its bounds from `engine.SamplingParams` (`engine_field`), and
+reaches it under its own name (`ENGINE_SAMPLING_FIELDS`), so the two layers cannot disagree.
+
+Every field a request may carry is one of three kinds:
+- implemented: it changes the output as OpenAI or vLLM define it;
+- refused when set (`Unsupported`): it would change the output and kvsentry does not
+  implement it, so a request that sets it is a 400 naming it;
+- accepted and without effect (`HARMLESS_FIELDS`): bookkeeping that changes no token.
+  The list is what the clients people use send (the `openai` client, LangChain's
+  ChatOpenAI, LiteLLM; tests/service/test_clients.py drives each against a server):
+  `user`, `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
+  `prompt_cache_retention`. Each is typed: a value of the wrong type is still a 400.
+  In a message, an assistant turn sent back as the reply came (the openai and LiteLLM
+  agent loops do) may carry `refusal`, `annotations` and LiteLLM's `provider_specific_fields`;
+  its `reasoning_content` / `reasoning` reach the chat template, as in vLLM.
 """
 from __future__ import annotations
 
@@ -26,7 +40,7 @@ def engine_field(name: str, default: Any = ..., **constraints: Any) -> Any:
 
 
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class Response(BaseModel):
@@ -63,7 +77,7 @@ class StreamOptions(StrictRequest):
 
 
 class JsonSchemaFormat(StrictRequest):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -71,14 +85,14 @@ class JsonSchemaFormat(StrictRequest):
 
 
 class StructuralTagItem(StrictRequest):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     begin: str
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     end: str
 
 
 class ResponseFormat(StrictRequest):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     # type structural_tag (vLLM's form): free text until a trigger, then one of the structures.
@@ -88,7 +102,7 @@ class ResponseFormat(StrictRequest):
 
 class StructuredOutputsRequest(StrictRequest):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar."""
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -117,7 +131,14 @@ class SamplingFields(StrictRequest):
     skip_special_tokens: bool = engine_field("skip_special_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # HARMLESS_FIELDS: accepted, change no token (the module docstring says why each is here).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     logit_bias: Unsupported = None
@@ -138,8 +159,11 @@ class SamplingFields(StrictRequest):
 # structured_outputs is vLLM's request object; service/structured.py turns it into the engine's spec.
 ENGINE_SAMPLING_FIELDS = tuple(name for name in SamplingFields.model_fields
                                if name in SamplingParams.__struct_fields__ and name != "structured_outputs")
+# Accepted and without effect on the tokens: what clients send for their own bookkeeping.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
+                             "prompt_cache_key", "prompt_cache_retention"})
 # The fields that do not change which tokens come out.
-TRANSPORT_FIELDS = frozenset({"model", "stream", "stream_options", "user"})
+TRANSPORT_FIELDS = frozenset({"model", "stream", "stream_options"}) | HARMLESS_FIELDS
 # The fields that become the engine's grammar (service/structured.py).
 GRAMMAR_FIELDS = frozenset({"response_format", "structured_outputs"})
 
@@ -198,6 +222,12 @@ class CompletionResponse(Response):
 class ContentPart(StrictRequest):
     type: str
     text: str | None = None
+    # The other part types' payloads: typed so that the renderer refuses the part by its type
+    # ("only text parts are supported"), not by an unknown key.
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    video_url: Any = None
 
 
 class FunctionCall(StrictRequest):
@@ -217,7 +247,15 @@ class ChatMessage(StrictRequest):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None           # a tool turn: the call it answers
+    # An assistant turn sent back as it came: its thinking reaches the template (which may show or
+    # drop it, as Qwen3's does); a refusal and annotations are the reply's bookkeeping.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    provider_specific_fields: dict[str, Any] | None = None  # LiteLLM's copy of the reply's extra fields
     function_call: Unsupported = None
+    audio: Unsupported = None
 
 
 class FunctionDefinition(StrictRequest):
@@ -239,6 +277,9 @@ class NamedFunction(StrictRequest):
 class NamedToolChoice(StrictRequest):
     type: Literal["function"]
     function: NamedFunction
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 def _refuse_modalities(value: list[str] | None) -> list[str] | None:
@@ -263,6 +304,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = engine_field("logprobs")
     add_generation_prompt: bool = True
+    # vLLM's chat extensions (service/chat_render.py says how each reaches the template).
+    continue_final_message: bool = False
+    echo: bool = False
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class TopLogprob(BaseModel):
@@ -347,6 +394,9 @@ class TokenizeRequest(StrictRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):

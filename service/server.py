@@ -85,7 +85,7 @@ def run(config: EngineConfig, client, settings: ServeSettings, host: str, port: 
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
                                lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                               server_header=False)
+                               server_header=False, log_level=settings.uvicorn_log_level)
     server = Server(uv_config, state)
     log_event(logger, "serving", host=host, port=port, model=config.model.path,
               served_model_names=list(settings.served_model_names),

@@ -52,6 +52,11 @@ class ServeSettings:
     enable_fault_injection: bool = False
     tool_call_parser: str | None = None  # parses tool calls out of free text for tool_choice "auto"
     reasoning_parser: str | None = None  # splits the model's thinking into reasoning_content
+    chat_template: str | None = None     # --chat-template: replaces the checkpoint's
+    trust_request_chat_template: bool = False  # a request may bring its own template (code the server runs)
+    max_logprobs: int = 20               # --max-logprobs: the most logprobs a request may ask for
+    log_requests: bool = True            # the per-request log line at info (--disable-log-requests: debug)
+    uvicorn_log_level: str | None = None  # uvicorn's own loggers; None: left as they are
 
 
 class AppState:

@@ -36,7 +36,11 @@ BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection", "--log-prompts",
                  "--nan-scan-written-blocks", "--no-nan-scan-written-blocks",
                  "--strict-kv-writes", "--no-strict-kv-writes",
                  "--enforce-eager", "--no-enforce-eager",
-                 "--cuda-graph-check-null-block", "--no-cuda-graph-check-null-block"}
+                 "--cuda-graph-check-null-block", "--no-cuda-graph-check-null-block",
+                 # vLLM's switches (service/vllm_flags.py)
+                 "--trust-request-chat-template", "--enable-auto-tool-choice", "--disable-log-requests",
+                 "--enable-log-requests", "--enable-expert-parallel", "-ep", "--enable-chunked-prefill",
+                 "--no-enable-chunked-prefill", "--trust-remote-code", "--disable-log-stats", "--enable-lora"}
 
 # The metric families kvsentry exports (Prometheus names, before _bucket/_sum/_count).
 KNOWN_METRICS = {

@@ -28,12 +28,13 @@ class Case:
     message: str | None = None               # substring the message must contain
 
 
-def completion(name: str, status: int = 400, param: str | None = "?", **fields) -> Case:
-    return Case(name, {**OK, **fields}, status, param)
+def completion(name: str, status: int = 400, param: str | None = "?", message: str | None = None,
+               **fields) -> Case:
+    return Case(name, {**OK, **fields}, status, param, message=message)
 
 
-def chat(name: str, status: int = 400, param: str | None = "?", **fields) -> Case:
-    return Case(name, {**CHAT_OK, **fields}, status, param, path="/v1/chat/completions")
+def chat(name: str, status: int = 400, param: str | None = "?", message: str | None = None, **fields) -> Case:
+    return Case(name, {**CHAT_OK, **fields}, status, param, path="/v1/chat/completions", message=message)
 
 
 CASES = [
@@ -89,7 +90,14 @@ CASES = [
     Case("json_array_body", raw=b"[1, 2]", param=None),
     Case("empty_body", raw=b"", param=None),
     Case("missing_prompt", {"max_tokens": 2}, param="prompt"),
-    Case("unknown_fields_are_ignored", {**OK, "frobnicate": {"x": 1}, "logit_bias_v2": 3}, status=200),
+    Case("unknown_field_is_named", {**OK, "frobnicate": {"x": 1}}, param="frobnicate",
+         message="Unrecognized request argument supplied: frobnicate"),
+    Case("unknown_fields_are_all_named", {**OK, "frobnicate": 1, "logit_bias_v2": 3}, param="frobnicate",
+         message="Unrecognized request arguments supplied: frobnicate, logit_bias_v2"),
+    Case("harmless_fields_are_accepted", {**OK, "user": "u", "metadata": {"k": "v"}, "store": False,
+                                          "service_tier": "auto", "safety_identifier": "s", "prompt_cache_key": "p"},
+         status=200),
+    completion("harmless_field_wrong_type", metadata={"k": 1}, param="metadata.k"),
     Case("wrong_content_type", raw=json.dumps(OK).encode(), headers={"Content-Type": "text/plain"}, status=415),
     Case("form_content_type", raw=b"prompt=x", headers={"Content-Type": "application/x-www-form-urlencoded"},
          status=415),
@@ -107,11 +115,19 @@ CASES = [
     chat("chat_role_missing", messages=[{"content": "hi"}], param="messages.0.role"),
     chat("chat_content_number", messages=[{"role": "user", "content": 5}], param="messages.0.content"),
     chat("chat_image_part", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-         param="messages.0.content"),
+         param="messages.0.content", message="only text parts are supported"),
     chat("chat_top_logprobs_without_logprobs", top_logprobs=2, param="top_logprobs"),
     chat("chat_top_logprobs_21", logprobs=True, top_logprobs=21, param="top_logprobs"),
     chat("chat_max_completion_tokens_negative", max_completion_tokens=-1, param="max_completion_tokens"),
     chat("chat_logprobs_int", logprobs=3, param="logprobs"),
+    chat("chat_unknown_field", foo=1, param="foo", message="Unrecognized request argument supplied: foo"),
+    chat("chat_unknown_message_field", messages=[{"role": "user", "content": "hi", "foo": 1}],
+         param="messages.0.foo", message="Unrecognized request argument supplied: messages.0.foo"),
+    chat("chat_unknown_content_part_field", messages=[{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                                                   "foo": 1}]}],
+         param="messages.0.content.0.foo"),
+    chat("chat_unknown_tool_field", tools=[{"type": "function", "function": {"name": "f"}, "foo": 1}],
+         param="tools.0.foo"),
     chat("chat_too_long", messages=[{"role": "user", "content": "word " * MAIN_MAX_MODEL_LEN}], param="messages"),
     # tokenizer routes
     Case("detokenize_bad_ids", {"tokens": [-1]}, path="/detokenize", param="tokens"),
@@ -148,6 +164,8 @@ def test_bad_input(server, case: Case):
         assert error["param"] == case.param, body
     if case.message:
         assert case.message in error["message"], body
+    if error["message"].startswith("Unrecognized request argument"):  # OpenAI's words, type and code
+        assert (error["type"], error["code"]) == ("invalid_request_error", "unknown_parameter"), body
     assert response.headers.get("x-request-id")
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine_args import ENGINE_ARGS
@@ -154,3 +155,69 @@ def test_demo_checkpoint_is_written_once(monkeypatch, tmp_path):
     assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
     assert (first / "config.json").is_file() and (first / "tokenizer.json").is_file()
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")], "no scratch left behind"
+
+
+def test_a_vllm_tool_calling_command_line_serves(captured, llama_path, tmp_path):
+    """The command lines of vLLM's docs: same meaning where kvsentry has it."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    code = cli.main(["serve", "--model", llama_path, "--served-model-name", "m", "--host", "127.0.0.3",
+                     "--port", "8001", "--api-key", "k", "--dtype", "float", "--max-model-len", "256",
+                     "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--kv-cache-memory-bytes", "16MiB",
+                     "--tensor-parallel-size", "1", "-pp", "1", "-dp", "1", "--enable-expert-parallel",
+                     "--no-enable-prefix-caching", "--enable-chunked-prefill", "--seed", "5",
+                     "--tokenizer", llama_path, "--trust-remote-code", "--chat-template", str(template),
+                     "--trust-request-chat-template", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--reasoning-parser", "deepseek_r1", "--disable-log-requests", "--uvicorn-log-level", "info",
+                     "--generation-config", "vllm", "--enforce-eager", "--block-size", "16", "--swap-space", "4",
+                     "--max-logprobs", "5", "--disable-log-stats"])
+    assert code == 0
+    config, settings = captured["config"], captured["settings"]
+    assert config.model.path == llama_path and (captured["host"], captured["port"]) == ("127.0.0.3", 8001)
+    assert config.model.dtype == torch.float32 and config.max_model_len == 256 and config.max_num_seqs == 4
+    assert config.max_num_batched_tokens == 128
+    assert config.num_blocks == EngineConfig.create(llama_path, kv_cache_memory="16MiB", block_size=16).num_blocks
+    assert not config.enable_prefix_caching and config.seed == 5 and config.enforce_eager and config.block_size == 16
+    assert settings.chat_template == template.read_text() and settings.trust_request_chat_template
+    assert settings.tool_call_parser == "hermes" and settings.reasoning_parser == "deepseek_r1"
+    assert settings.max_logprobs == 5 and not settings.log_requests and settings.uvicorn_log_level == "info"
+    assert settings.served_model_names == ("m",) and settings.api_key == "k"
+
+
+def test_kv_cache_memory_bytes_is_kv_cache_memory(captured, llama_path):
+    assert cli.main(["serve", llama_path, "--kv-cache-memory-bytes", "8MiB"]) == 0
+    by_vllm_name = captured["config"]
+    assert cli.main(["serve", llama_path, "--kv-cache-memory", "8MiB"]) == 0
+    assert captured["config"] == by_vllm_name
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--gpu-memory-utilization", "0.9"], "--kv-cache-memory"),
+    (["--tensor-parallel-size", "2"], "--data-parallel-size"),
+    (["-tp", "4"], "--data-parallel-size"),
+    (["--pipeline-parallel-size", "2"], "--data-parallel-size"),
+    (["--no-enable-chunked-prefill"], "--max-num-batched-tokens"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--dtype", "half"], "bfloat16"),
+    (["--quantization", "awq"], "GGUF"),
+    (["--generation-config", "auto"], "per request"),
+    (["--max-logprobs", "100"], "at most 20"),
+    (["--kv-cache-dtype", "fp8"], "--dtype"),
+    (["--enable-lora"], "LoRA"),
+    (["--chat-template", "no-such-file"], "neither a file nor a jinja2 template"),
+])
+def test_vllm_flags_without_a_kvsentry_meaning_are_refused_naming_the_equivalent(captured, llama_path, capsys,
+                                                                                 flags, says):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", llama_path, *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and flags[0] in err, err
+    assert "config" not in captured
+
+
+def test_model_flag_and_positional_model_must_agree(captured, llama_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", llama_path, "--model", "/elsewhere"])
+    assert "disagree" in capsys.readouterr().err
+    assert cli.main(["serve", llama_path, "--model", llama_path]) == 0
