@@ -23,6 +23,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-N (token id, logprob), best first
+    rank: int | None = None  # the token's place in the vocabulary by logprob, 1 = the best
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True):

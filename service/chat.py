@@ -11,6 +11,7 @@ from service.chat_render import echoed_text, render_chat
 from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, check_max_logprobs, complete, request_params,
                               start_generation)
+from service.logprobs import prompt_logprob_maps
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatLogprobs, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
@@ -32,6 +33,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
     check_max_logprobs(state, body.top_logprobs, "top_logprobs")
+    check_max_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
     plan = plan_tools(body, state.settings.tool_call_parser)
     if plan is not None and plan.grammar is not None:
         structured = plan.grammar
@@ -44,7 +48,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt = render_chat(state, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
-                            logprobs=logprobs, param="messages", structured=structured)
+                            logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, param="messages",
+                            structured=structured)
     gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
     created = int(time.time())
     if body.stream:
@@ -62,9 +67,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         message = AssistantMessage(content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought)
         choices.append(ChatChoice(index=sample.index, message=message,
                                   logprobs=logprobs_out, finish_reason=_finish_reason(sample.finish_reason, calls),
-                                  stop_reason=sample.stop_reason))
+                                  stop_reason=sample.stop_reason,
+                                  token_ids=list(sample.token_ids) if body.return_token_ids else None))
+    prompt_maps = None
+    if body.prompt_logprobs is not None:
+        prompt_maps = prompt_logprob_maps(state.formatter, gen.states[0].prompt_logprobs, prompt.token_ids,
+                                          body.prompt_logprobs)
     return ChatCompletionResponse(id=gen.request_id, created=created, model=state.model_name,
-                                  choices=choices, usage=gen.usage())
+                                  choices=choices, usage=gen.usage(), prompt_logprobs=prompt_maps,
+                                  prompt_token_ids=prompt.token_ids if body.return_token_ids else None)
 
 
 def _finish_reason(reason: str | None, calls: list) -> str | None:
@@ -102,18 +113,23 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
     streams: dict[int, ToolCallStream] = {}
     reasoners = {j: ReasoningStream() for j in range(body.n)} if reasoning else {}
 
-    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+    def chunk(choices: list[dict], usage: UsageInfo | None = None, **extra) -> str:
         # Plain dicts: a pydantic model per streamed token costs more than the token's other work.
         return event({"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
                       "model": state.model_name, "choices": choices,
-                      "usage": usage.model_dump() if usage else None})
+                      "usage": usage.model_dump() if usage else None, **extra})
 
     def choice(index: int, delta: dict, logprobs: ChatLogprobs | None = None, finish_reason: str | None = None,
-               stop_reason: int | str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+               stop_reason: int | str | None = None, token_ids: list[int] | None = None) -> dict:
+        out = {"index": index, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
+               "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if body.return_token_ids:  # as vLLM streams them: each chunk's new tokens
+            out["token_ids"] = token_ids or []
+        return out
 
-    yield chunk([choice(j, {"role": "assistant", "content": ""}) for j in range(body.n)])
+    # return_token_ids: the prompt's tokens ride on the first chunk, as vLLM sends them.
+    prompt_ids = {"prompt_token_ids": gen.prompts[0].token_ids} if body.return_token_ids else {}
+    yield chunk([choice(j, {"role": "assistant", "content": ""}) for j in range(body.n)], **prompt_ids)
     echo = echoed_text(body)
     if echo:
         yield chunk([choice(j, {"content": echo}) for j in range(body.n)])
@@ -125,7 +141,7 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                 if sample.index in finished:
                     continue
                 text, tokens, entries = request_state.unsent(sample)
-                if not (text or sample.finish_reason or (tokens and body.logprobs)):
+                if not (text or sample.finish_reason or (tokens and (body.logprobs or body.return_token_ids))):
                     continue
                 logprobs = ChatLogprobs(content=state.formatter.chat(entries)) if body.logprobs else None
                 if sample.finish_reason is not None:
@@ -140,10 +156,10 @@ async def _stream(state: AppState, gen: Generation, body: ChatCompletionRequest,
                     reason = _finish_reason(reason, [1] if call_ids.get(sample.index) else [])
                 if thought:
                     delta = {"reasoning_content": thought, "reasoning": thought, **delta}
-                if not (delta or sample.finish_reason or (tokens and body.logprobs)):
+                if not (delta or sample.finish_reason or (tokens and (body.logprobs or body.return_token_ids))):
                     continue
                 choices.append(choice(sample.index, delta, logprobs, reason,
-                                      sample.stop_reason if sample.finish_reason else None))
+                                      sample.stop_reason if sample.finish_reason else None, tokens))
             if choices:
                 yield chunk(choices)
         if body.stream_options and body.stream_options.include_usage:

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.messages import TokenLogprob
 from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, PromptInput, check_max_logprobs, complete, encode,
                               request_params, start_generation)
-from service.logprobs import merge
+from service.logprobs import merge, prompt_logprob_maps
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
@@ -40,11 +41,20 @@ def echo_text(state: AppState, prompt: PromptInput, skip_special: bool) -> str:
     return state.tokenizer.decode(prompt.token_ids, skip_special)
 
 
-def prompt_logprobs(state: AppState, gen: Generation, index: int) -> CompletionLogprobs:
+def prompt_logprobs(state: AppState, gen: Generation, index: int, num_top: int) -> CompletionLogprobs:
+    """echo with logprobs: the prompt's tokens in OpenAI's parallel lists, top `num_top` each."""
     ids = gen.prompts[index].token_ids
     entries = list(gen.states[index].prompt_logprobs)[:len(ids)]
     entries += [None] * (len(ids) - len(entries))
+    entries = [e if e is None else TokenLogprob(e.token_id, e.logprob, e.top[:num_top], e.rank) for e in entries]
     return state.formatter.completion(entries, ids, 0)
+
+
+def engine_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """How many top logprobs the engine computes per prompt token: enough for vLLM's
+    prompt_logprobs and for echo with logprobs (OpenAI's), whichever asks more."""
+    wanted = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
+    return max(wanted) if wanted else None
 
 
 @router.post(ROUTE, response_model=CompletionResponse, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
@@ -56,10 +66,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise bad_request(f"n: {len(prompts)} prompts x n={body.n} choices exceed the limit of "
                           f"{MAX_CHOICES} per request", "n")
     check_max_logprobs(state, body.logprobs, "logprobs")
+    check_max_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
     structured = request_grammar(state, body)
     params = request_params(state, body, prompts, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                            structured=structured)
+                            prompt_logprobs=engine_prompt_logprobs(body), structured=structured)
     gen = start_generation(state, request, "cmpl", ROUTE, prompts, params)
     created = int(time.time())
     if body.stream:
@@ -73,14 +85,20 @@ def _response(state: AppState, gen: Generation, body: CompletionRequest, created
     choices = []
     for i, (prompt, request_state) in enumerate(zip(gen.prompts, gen.states)):
         prefix = echo_text(state, prompt, body.skip_special_tokens) if body.echo else ""
+        prompt_maps = None
+        if body.prompt_logprobs is not None:
+            prompt_maps = prompt_logprob_maps(state.formatter, request_state.prompt_logprobs, prompt.token_ids,
+                                              body.prompt_logprobs)
         for sample in request_state.samples:
             logprobs = None
             if body.logprobs is not None:
-                logprobs = prompt_logprobs(state, gen, i) if body.echo else CompletionLogprobs()
+                logprobs = prompt_logprobs(state, gen, i, body.logprobs) if body.echo else CompletionLogprobs()
                 merge(logprobs, state.formatter.completion(sample.logprobs, sample.token_ids, len(prefix)))
             choices.append(CompletionChoice(index=i * body.n + sample.index, text=prefix + sample.text,
                                             logprobs=logprobs, finish_reason=sample.finish_reason,
-                                            stop_reason=sample.stop_reason))
+                                            stop_reason=sample.stop_reason, prompt_logprobs=prompt_maps,
+                                            token_ids=list(sample.token_ids) if body.return_token_ids else None,
+                                            prompt_token_ids=prompt.token_ids if body.return_token_ids else None))
     return CompletionResponse(id=gen.request_id, created=created, model=state.model_name, choices=choices,
                               usage=gen.usage())
 
@@ -106,21 +124,28 @@ async def _stream(state: AppState, gen: Generation, body: CompletionRequest, cre
                     continue
                 text, tokens, entries = request_state.unsent(sample)
                 first = index not in sent_chars
-                if not (text or sample.finish_reason or (tokens and body.logprobs is not None)):
+                if not (text or sample.finish_reason or (tokens and (body.logprobs is not None
+                                                                     or body.return_token_ids))):
                     continue
                 prefix = echo_text(state, gen.prompts[i], body.skip_special_tokens) if body.echo and first else ""
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = prompt_logprobs(state, gen, i) if body.echo and first else CompletionLogprobs()
+                    logprobs = (prompt_logprobs(state, gen, i, body.logprobs) if body.echo and first
+                                else CompletionLogprobs())
                     offset = sent_chars.get(index, 0) + len(prefix)
                     merge(logprobs, state.formatter.completion(entries, tokens, offset))
                 sent_chars[index] = sent_chars.get(index, 0) + len(prefix) + len(text)
                 if sample.finish_reason is not None:
                     finished.add(index)
-                choices.append({"index": index, "text": prefix + text,
-                                "logprobs": logprobs.model_dump() if logprobs else None,
-                                "finish_reason": sample.finish_reason,
-                                "stop_reason": sample.stop_reason if sample.finish_reason else None})
+                choice = {"index": index, "text": prefix + text,
+                          "logprobs": logprobs.model_dump() if logprobs else None,
+                          "finish_reason": sample.finish_reason,
+                          "stop_reason": sample.stop_reason if sample.finish_reason else None}
+                if body.return_token_ids:  # as vLLM streams them: the prompt's once, then each chunk's new ones
+                    choice["token_ids"] = tokens
+                    if first:
+                        choice["prompt_token_ids"] = gen.prompts[i].token_ids
+                choices.append(choice)
             if choices:
                 yield chunk(choices)
         if body.stream_options and body.stream_options.include_usage:

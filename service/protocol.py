@@ -183,6 +183,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = engine_field("max_tokens")
     logprobs: int | None = engine_field("logprobs")
+    prompt_logprobs: int | None = engine_field("prompt_logprobs", None)  # vLLM's: top-N per prompt token
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
     echo: bool = False
     suffix: Unsupported = None
     best_of: Annotated[int | None, AfterValidator(_refuse_best_of)] = None
@@ -195,12 +197,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, one entry of a prompt position's {token id: ...} map."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token, None for the first: {token id: PromptLogprob} with the prompt's token and the top-N.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids
 
 
 class UsageInfo(BaseModel):
@@ -303,6 +319,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = engine_field("max_tokens", None)
     logprobs: bool = False
     top_logprobs: int | None = engine_field("logprobs")
+    prompt_logprobs: int | None = engine_field("prompt_logprobs", None)  # vLLM's: top-N per prompt token
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
     add_generation_prompt: bool = True
     # vLLM's chat extensions (service/chat_render.py says how each reaches the template).
     continue_final_message: bool = False
@@ -340,6 +358,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(Response):
@@ -349,6 +368,8 @@ class ChatCompletionResponse(Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -362,6 +383,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens this chunk adds
 
 
 class ChatCompletionChunk(Response):
@@ -371,6 +393,7 @@ class ChatCompletionChunk(Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk only
 
 
 # -- models, tokenizer, operations ------------------------------------------------------------------

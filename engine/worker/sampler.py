@@ -63,14 +63,17 @@ def _filter(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 def token_logprobs(logprobs: torch.Tensor,  # [num, vocab] float32 log-softmax
                    token_ids: list[int], num_top: int) -> list[TokenLogprob]:
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).view(-1, 1)).view(-1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).view(-1, 1))  # [num, 1]
+    # vLLM's rank: 1 + how many tokens are strictly more likely (ties share the better rank).
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.view(-1).tolist()
     if num_top > 0:
         top_values, top_ids = torch.topk(logprobs, num_top, dim=-1)
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
     else:
         top_values = top_ids = [[] for _ in token_ids]
-    return [TokenLogprob(t, lp, list(zip(ids, values)))
-            for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)]
+    return [TokenLogprob(t, lp, list(zip(ids, values)), rank)
+            for t, lp, ids, values, rank in zip(token_ids, chosen, top_ids, top_values, ranks)]
 
 
 _ARGMAX_BLOCK = 256
