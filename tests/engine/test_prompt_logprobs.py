@@ -75,7 +75,7 @@ def test_n_samples_share_one_copy(llm, reference):
 def test_rank_counts_the_more_likely_tokens(llm, reference):
     """The engine's message carries vLLM's rank of each prompt token (1 = most likely)."""
     from engine.messages import EngineRequest
-    from engine.core.engine_core import EngineCore
+    from engine.engine_core.engine_core import EngineCore
     assert isinstance(llm.engine, EngineCore)
     request = EngineRequest("rank", PROMPT_IDS, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     llm.engine.add_request(request)
