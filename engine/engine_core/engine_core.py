@@ -7,24 +7,21 @@ Works on token ids only; detokenization and stop strings live in the front end
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
 from engine.config import EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.core.validation import validate_request
+from engine.engine_core.stop import finish_after
+from engine.integrity.unit import CacheIntegrity
+from engine.memory import host_memory
 from engine.messages import EngineCoreOutput, EngineRequest, StepStats
+from engine.request import Request, SchedulerOutput
+from engine.structured.grammar import GrammarCompiler, compiler_for_model
 from engine.worker.kv_cache import block_axis
 from engine.worker.model_runner import ModelRunner, RunnerOutput
-from engine.core.scheduler import Scheduler
-from engine.request import Request, SchedulerOutput
-from engine.core.validation import validate_request
-from engine.memory import host_memory
-from engine.integrity.unit import CacheIntegrity
-from engine.engine_core.stop import finish_after
-from engine.structured.grammar import GrammarCompiler, compiler_for_model
-
-log = logging.getLogger(__name__)
 
 
 class EngineCore:

@@ -34,7 +34,13 @@ from tests.engine.test_cuda_graphs import MOE_PRESETS, generate, make_core
 
 pytestmark = pytest.mark.skipif(not flex_attention.available(), reason="torch has no FlexAttention")
 
-def test_moe_and_mla_models_capture_at_dp1_and_with_expert_parallelism(checkpoint, monkeypatch):
+def test_moe_and_mla_models_choose_decode_graphs_at_dp1_and_with_expert_parallelism(checkpoint, monkeypatch):
+    """The choice only: on a CUDA device with the KV writers built, dense, MoE and MLA models
+    all take the decode-graph path, alone and as a rank of an expert-parallel group; only
+    --enforce-eager turns it off. Nothing is captured here (no GPU): capture and replay of these
+    models -- graphs made for every size, replayed, tokens equal to eager and CPU -- are tested
+    by tests/gpu/test_cuda_graphs_gpu.py (MOE_PRESETS); the fixed-shape forwards a capture
+    records run eagerly on CPU in the tests below."""
     monkeypatch.setattr(cuda_ops, "available", lambda: True)  # as on a GPU machine with the ops built
     for preset in ("tiny-llama", "tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3"):
         config = dataclasses.replace(EngineConfig.create(checkpoint(preset)), device="cuda")

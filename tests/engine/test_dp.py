@@ -126,9 +126,11 @@ def real_steps(s) -> int:
 
 
 def lockstep_done(before, busy: int, spare: int):
-    """Predicate: the spare rank's stats cover one dummy batch per real step of the busy rank
-    since `before` (so they were sent after its last dummy batch of the wave)."""
-    return lambda st: (st[spare].dummy_batches - before[spare].dummy_batches
+    """Predicate: the busy rank's stats show its real steps since `before` (ranks report on a
+    timer and as the wave ends, not every step) and the spare rank's cover one dummy batch per
+    real step (so they were sent after its last dummy batch of the wave)."""
+    return lambda st: (real_steps(st[busy]) > real_steps(before[busy])
+                       and st[spare].dummy_batches - before[spare].dummy_batches
                        == real_steps(st[busy]) - real_steps(before[busy]))
 
 
@@ -236,9 +238,10 @@ def test_legacy_dummy_batch_poisons_idle_rank(legacy, dp_llm, checkpoint):
     try:
         engine = llm.engine
         wait_stats(engine, idle, what="both ranks idle")
-        writes_before = engine.stats[1].integrity.null_block_writes
+        writes_before, steps_before = engine.stats[1].integrity.null_block_writes, engine.stats[1].steps
         collected = legacy_schedule(llm, prompts)
-        wait_stats(engine, idle, what="both ranks idle")
+        # Ranks report as the wave ends: idle stats from after the schedule, not the ones from before.
+        wait_stats(engine, lambda st: idle(st) and st[1].steps > steps_before, what="both ranks idle again")
         rank1 = engine.stats[1]
         got = [collected.tokens[f"r1-{i}"] for i in range(len(prompts))]
         logprobs = [collected.logprobs[f"r1-{i}"] for i in range(len(prompts))]

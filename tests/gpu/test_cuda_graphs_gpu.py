@@ -44,8 +44,9 @@ def greedy(core: EngineCore, limits: list[int]) -> list[list[int]]:
     return list(tokens.values())
 
 
-# MoE (Mixtral) and MLA + MoE (DeepSeek-V3) capture their fixed-shape paths.
-MOE_PRESETS = ["tiny-mixtral", "tiny-deepseek-v3"]
+# MoE (Mixtral, Qwen2-MoE with its shared expert) and MLA + MoE (DeepSeek-V3) capture their
+# fixed-shape paths.
+MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3"]
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", *MOE_PRESETS])

@@ -1,5 +1,5 @@
 """Decode CUDA graphs for MoE and MLA models (engine/worker/cuda_graphs.py) on a GPU: the
-fixed-shape forward of a tiny Mixtral (MoE) and a tiny DeepSeek-V3 (MLA + MoE) makes no host
+fixed-shape forward of a tiny Mixtral, a tiny Qwen2-MoE (MoE) and a tiny DeepSeek-V3 (MLA + MoE) makes no host
 sync (CUDA's sync debug mode set to error). Their tokens through graphs vs eager vs CPU and the
 null block after dummy replays are in tests/gpu/test_cuda_graphs_gpu.py (MOE_PRESETS).
 The same fixed-shape forwards are tested eagerly on CPU by tests/engine/test_cuda_graphs_moe.py.
