@@ -101,8 +101,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     elif _host_kernel(k_cache):
         # The kernels' per-token code run on the host (csrc/cpu/cache_kernels_host.cpp): one call
         # where the reference runs ~15 small ops per layer, bit for bit the same writes.
-        registry.op("reshape_and_cache_flash")(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value), k_cache,
-                                                 v_cache, slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, k_cache))
+        registry.op("reshape_and_cache_flash")(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value),
+                                               k_cache, v_cache, slot_mapping, null_block_writes,
+                                               cuda_ops.scale_tensor(scale, k_cache))
         return
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
@@ -118,6 +119,6 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             return
     elif _host_kernel(kv_cache):
         registry.op("concat_and_cache_mla")(cuda_ops.contiguous_rows(kv_c), cuda_ops.contiguous_rows(k_pe), kv_cache,
-                                              slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
+                                            slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
         return
     write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)

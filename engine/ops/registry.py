@@ -43,6 +43,7 @@ class Kernel:
     schemas: tuple[str, ...]    # the torch.ops.kvsentry ops those sources register
     fallback: str               # the implementation that runs where this kernel does not
     label: str = "cpu_kernel"   # the implementation, where it runs
+    probe: str | None = None    # a schema of () -> bool: whether this CPU (and build) runs it
 
 
 # Every library build carries these: the schemas, checks and CPU/CUDA/Meta dispatch of the writers.
@@ -76,8 +77,10 @@ KERNELS: tuple[Kernel, ...] = (
     # The linears' panel GEMMs (engine/models/cpu_gemm.py; which path each linear kind takes is
     # reported per model by the runner), and a GGUF checkpoint's blocks as their panels.
     Kernel("bf16_gemm", "cpu", ("cpu/cpu_bf16_gemm.cpp",),
-           ("bf16_gemm_pack", "bf16_gemm", "bf16_gemm_supported", "bf16_gemm_kernels"), ONEDNN),
-    Kernel("f32_gemm", "cpu", ("cpu/cpu_f32_gemm.cpp",), ("f32_gemm_pack", "f32_gemm", "f32_gemm_supported"), ONEDNN),
+           ("bf16_gemm_pack", "bf16_gemm", "bf16_gemm_supported", "bf16_gemm_kernels"), ONEDNN,
+           probe="bf16_gemm_supported"),
+    Kernel("f32_gemm", "cpu", ("cpu/cpu_f32_gemm.cpp",), ("f32_gemm_pack", "f32_gemm", "f32_gemm_supported"), ONEDNN,
+           probe="f32_gemm_supported"),
     Kernel("quant_panels", "cpu", ("cpu/cpu_quant_panels.cpp",),
            ("quant_panels_pack", "quant_panels_unpack", "quant_panels_supported"), ONEDNN),
 )
@@ -186,7 +189,7 @@ def runs(kernel: Kernel) -> bool:
 
 @functools.cache
 def _registered(kernel: Kernel) -> bool:  # asked once the library is loaded: it cannot change after
-    return all(has(name) for name in kernel.schemas)
+    return all(has(name) for name in kernel.schemas) and (kernel.probe is None or bool(op(kernel.probe)()))
 
 
 def available(op_name: str, device: str | torch.device) -> bool:
