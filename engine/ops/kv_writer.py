@@ -84,9 +84,12 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
         null_block_writes += null_block_hits(slot_mapping, block_size).sum()
 
 
+_CPU_WRITER = registry.kernel_for("kv_writer", "cpu")
+
+
 def _host_kernel(cache: torch.Tensor) -> bool:
     """Whether a CPU cache's writes go through the csrc/ op (built, and not turned off)."""
-    return cache.device.type == "cpu" and registry.available("kv_writer", "cpu")
+    return cache.device.type == "cpu" and registry.runs(_CPU_WRITER)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -35,7 +35,7 @@ ONEDNN = "onednn"
 PYTHON_LOOP = "python_loop"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # a row is itself: hashed by identity, cheaply, per call
 class Kernel:
     op: str                     # what the metric and the log call it
     device: str                 # the device type it runs on; elsewhere its op runs `fallback`
@@ -91,7 +91,7 @@ assert len(_ROWS) == len(KERNELS), "at most one row per (op, device)"
 
 
 def _device_type(device: str | torch.device) -> str:
-    return device.type if isinstance(device, torch.device) else torch.device(device).type
+    return device.type if isinstance(device, torch.device) else device.split(":")[0]
 
 
 def kernel_for(op: str, device: str | torch.device) -> Kernel | None:
