@@ -64,6 +64,7 @@ def test_a_running_server_exports_and_logs_them(server):
     kinds = sorted(name for name in logged if name.startswith("linear."))
     assert {"linear.qkv", "linear.o_proj", "linear.gate_up", "linear.down_proj"} <= set(kinds), kinds
     assert logged["cuda_graphs"] == "off: not a CUDA device"
+    assert logged["layer_stack"] == "fused_stack"  # a dense model on CPU with the kernels
     assert len(server.metric(METRIC, engine="0")) == len(logged)
     for name in kinds:
         assert server.metric(METRIC, engine="0", op=name, implementation=logged[name]) == [1.0], name
