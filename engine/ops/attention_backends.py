@@ -34,7 +34,8 @@ from engine.ops.attention import AttentionMetadata, decode_attention_reference, 
 # outgrow L2); float32 4 x 256 1003 vs 1090 ms. On CPUs with AMX, SDPA wins from the shortest
 # chunk it takes: 1-core Xeon, default model, bf16 whole prefill steps 8 x 128 tokens 457 vs 490
 # ms, 4 x 512 1221 vs 1648, 1 x 1000 610 vs 1051 (the kernel's rows on AMX tiles); float32
-# within 4% up to 512 tokens, 2 x 1000 4134 vs 4957 ms.
+# within 4% up to 512 tokens, 2 x 1000 4134 vs 4957 ms. Both are read when a backend is chosen
+# (PrefillLimits.current), once per model load.
 PREFILL_SDPA_MIN_TOKENS = 64
 PREFILL_KERNEL_MAX_LEN = 0 if "amx_bf16" in cpu_ops.cpu_flags() else 1024
 

@@ -35,7 +35,7 @@ def paged_decode_attention(out: torch.Tensor,           # [B, Hq, Dv], written
                            num_read_blocks: int,        # the most any row reads (all rows, when read_blocks is None)
                            scale: float) -> None:
     registry.op("paged_decode_attention")(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              read_blocks, num_read_blocks, scale)
+                                          read_blocks, num_read_blocks, scale)
 
 
 def paged_prefill_attention_fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -56,7 +56,7 @@ def paged_prefill_attention(out: torch.Tensor,           # [T, Hq, Dv], rows of 
                             scale: float) -> None:
     """Each request's new tokens causally over its whole cached sequence, on AMX or AVX-512F tiles."""
     registry.op("paged_prefill_attention")(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                               query_starts, scale)
+                                           query_starts, scale)
 
 
 def row_argmax(logits: torch.Tensor,  # [n, vocab] float32 or bf16, a contiguous last dim

@@ -48,9 +48,10 @@ def reshape_and_cache_flash(key: torch.Tensor,           # [num_tokens, num_kv_h
                             scale: torch.Tensor | float | None = None,  # [1] float32, fp8 cache: stored = x / scale
                             ) -> None:
     _cuda_only("reshape_and_cache_flash", key, value, k_cache, v_cache, slot_mapping, null_block_writes)
-    # Shapes, dtypes, devices and strides are checked by the op (csrc/common/torch_bindings.cpp), also under torch.compile.
+    # Shapes, dtypes, devices and strides are checked by the op (csrc/common/torch_bindings.cpp),
+    # also under torch.compile.
     registry.op("reshape_and_cache_flash")(contiguous_rows(key), contiguous_rows(value), k_cache, v_cache,
-                                             slot_mapping, null_block_writes, scale_tensor(scale, k_cache))
+                                           slot_mapping, null_block_writes, scale_tensor(scale, k_cache))
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank]
@@ -62,4 +63,4 @@ def concat_and_cache_mla(kv_c: torch.Tensor,          # [num_tokens, kv_lora_ran
                          ) -> None:
     _cuda_only("concat_and_cache_mla", kv_c, k_pe, kv_cache, slot_mapping, null_block_writes)
     registry.op("concat_and_cache_mla")(contiguous_rows(kv_c), contiguous_rows(k_pe), kv_cache, slot_mapping,
-                                          null_block_writes, scale_tensor(scale, kv_cache))
+                                        null_block_writes, scale_tensor(scale, kv_cache))

@@ -51,5 +51,6 @@ def falling_back(implementations: dict[str, str], device: str | torch.device) ->
 
 
 def describe(implementations: dict[str, str]) -> str:
-    """One line for a log: "paged_attention=cpu_kernel kv_writer=torch_reference ..."."""
-    return " ".join(f"{op}={implementation}" for op, implementation in implementations.items())
+    """One line for a log: "paged_attention=cpu_kernel; kv_writer=torch_reference; ..." (a value,
+    such as a linear's GEMM path or why CUDA graphs are off, may hold spaces)."""
+    return "; ".join(f"{op}={implementation}" for op, implementation in implementations.items())

@@ -88,9 +88,12 @@ def write_mla_reference(kv_c: torch.Tensor,          # [num_tokens, kv_lora_rank
         null_block_writes += null_block_hits(slot_mapping, block_size).sum()
 
 
+_CPU_WRITER = registry.kernel_for("kv_writer", "cpu")
+
+
 def _host_kernel(cache: torch.Tensor) -> bool:
     """Whether a CPU cache's writes go through the csrc/ op (built, and not turned off)."""
-    return cache.device.type == "cpu" and registry.available("kv_writer", "cpu")
+    return cache.device.type == "cpu" and registry.runs(_CPU_WRITER)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,8 +108,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     elif _host_kernel(k_cache):
         # The kernels' per-token code run on the host (csrc/cpu/cache_kernels_host.cpp): one call
         # where the reference runs ~15 small ops per layer, bit for bit the same writes.
-        registry.op("reshape_and_cache_flash")(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value), k_cache,
-                                                 v_cache, slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, k_cache))
+        registry.op("reshape_and_cache_flash")(cuda_ops.contiguous_rows(key), cuda_ops.contiguous_rows(value),
+                                               k_cache, v_cache, slot_mapping, null_block_writes,
+                                               cuda_ops.scale_tensor(scale, k_cache))
         return
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping, null_block_writes, scale)
 
@@ -122,6 +126,6 @@ def write_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             return
     elif _host_kernel(kv_cache):
         registry.op("concat_and_cache_mla")(cuda_ops.contiguous_rows(kv_c), cuda_ops.contiguous_rows(k_pe), kv_cache,
-                                              slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
+                                            slot_mapping, null_block_writes, cuda_ops.scale_tensor(scale, kv_cache))
         return
     write_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, null_block_writes, scale)

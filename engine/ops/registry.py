@@ -35,7 +35,7 @@ ONEDNN = "onednn"
 PYTHON_LOOP = "python_loop"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # a row is itself: hashed by identity, cheaply, per call
 class Kernel:
     op: str                     # what the metric and the log call it
     device: str                 # the device type it runs on; elsewhere its op runs `fallback`
@@ -43,6 +43,7 @@ class Kernel:
     schemas: tuple[str, ...]    # the torch.ops.kvsentry ops those sources register
     fallback: str               # the implementation that runs where this kernel does not
     label: str = "cpu_kernel"   # the implementation, where it runs
+    probe: str | None = None    # a schema of () -> bool: whether this CPU (and build) runs it
 
 
 # Every library build carries these: the schemas, checks and CPU/CUDA/Meta dispatch of the writers.
@@ -76,8 +77,10 @@ KERNELS: tuple[Kernel, ...] = (
     # The linears' panel GEMMs (engine/models/cpu_gemm.py; which path each linear kind takes is
     # reported per model by the runner), and a GGUF checkpoint's blocks as their panels.
     Kernel("bf16_gemm", "cpu", ("cpu/cpu_bf16_gemm.cpp",),
-           ("bf16_gemm_pack", "bf16_gemm", "bf16_gemm_supported", "bf16_gemm_kernels"), ONEDNN),
-    Kernel("f32_gemm", "cpu", ("cpu/cpu_f32_gemm.cpp",), ("f32_gemm_pack", "f32_gemm", "f32_gemm_supported"), ONEDNN),
+           ("bf16_gemm_pack", "bf16_gemm", "bf16_gemm_supported", "bf16_gemm_kernels"), ONEDNN,
+           probe="bf16_gemm_supported"),
+    Kernel("f32_gemm", "cpu", ("cpu/cpu_f32_gemm.cpp",), ("f32_gemm_pack", "f32_gemm", "f32_gemm_supported"), ONEDNN,
+           probe="f32_gemm_supported"),
     Kernel("quant_panels", "cpu", ("cpu/cpu_quant_panels.cpp",),
            ("quant_panels_pack", "quant_panels_unpack", "quant_panels_supported"), ONEDNN),
 )
@@ -88,7 +91,7 @@ assert len(_ROWS) == len(KERNELS), "at most one row per (op, device)"
 
 
 def _device_type(device: str | torch.device) -> str:
-    return device.type if isinstance(device, torch.device) else torch.device(device).type
+    return device.type if isinstance(device, torch.device) else device.split(":")[0]
 
 
 def kernel_for(op: str, device: str | torch.device) -> Kernel | None:
@@ -186,7 +189,7 @@ def runs(kernel: Kernel) -> bool:
 
 @functools.cache
 def _registered(kernel: Kernel) -> bool:  # asked once the library is loaded: it cannot change after
-    return all(has(name) for name in kernel.schemas)
+    return all(has(name) for name in kernel.schemas) and (kernel.probe is None or bool(op(kernel.probe)()))
 
 
 def available(op_name: str, device: str | torch.device) -> bool:

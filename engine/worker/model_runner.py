@@ -64,8 +64,12 @@ class ModelRunner:
 
     def implementations(self) -> dict[str, str]:
         """What this rank runs (engine/ops/implementations.py): every registry op's kernel or
-        fallback, the GEMM path of each linear kind, and CUDA graphs on or off."""
+        fallback, the GEMM path of each linear kind, the layer stack, and CUDA graphs on or off."""
+        # Whether this model's layers run as the fused stack (the decoder_layers op), or as the
+        # Python loop (--enforce-eager, a model that is not a plain dense decoder, no kernel).
+        stack = getattr(getattr(self.model, "model", None), "fused", None)
         return {**op_implementations(self.config.device), **linear_paths(self.model),
+                "layer_stack": "fused_stack" if stack is not None else "python_loop",
                 "cuda_graphs": graphs_entry(self.graphs_reason)}
 
     @torch.inference_mode()

@@ -1,11 +1,16 @@
 """csrc/cpu/cpu_decoder_layers.cpp (the dense_decoder_layers op, run by
-engine/models/fused_stack.py) against the Python layer loop it replaces: the same bits.
+engine/models/fused_stack.py) against the Python layer loop it replaces (the same bits), and
+both against torch alone.
 
-Each case drives two engines on one checkpoint, one with the fused stack and one with
-`enforce_eager` (the loop), through the same steps -- decodes, prompts short enough for the
-kernel's prefill rows, a long prompt that takes the loop (SDPA) mid-run, padding and dummy
-batches -- and compares every step's hidden states, the KV cache and the sampled tokens
-bitwise. Needs the ops built (`kvsentry_ops`)."""
+Each case drives three engines on one checkpoint through the same steps -- decodes, prompts
+short enough for the kernel's prefill rows, a long prompt that takes the loop (SDPA) mid-run,
+padding and dummy batches: one with the fused stack, one with `enforce_eager` (the loop), whose
+every step's hidden states, KV cache and sampled tokens must be bitwise equal; and a reference
+with every csrc/ kernel off (KVSENTRY_DISABLE_CPU_OPS=1: oneDNN's GEMMs, torch's attention,
+norms and KV writer), which calls none of the kernels, so a kernel bug shared by the op and the
+loop shows there: float32 within 1e-3 at every step with the same tokens, bf16 within bf16's
+rounding on the first step (later steps may sample another token at a near-tie). Needs the
+ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +20,8 @@ from engine.config import EngineConfig
 from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest
 from engine.models import cpu_gemm
-from engine.ops import attention, cpu_ops
+from engine.ops import attention_backends as attention
+from engine.ops import cpu_ops
 from engine.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -99,7 +105,34 @@ def assert_fused_equals_loop(path, dtype, monkeypatch) -> EngineCore:
     assert torch.equal(fused.runner.kv_storage.view(torch.uint8), eager.runner.kv_storage.view(torch.uint8))
     assert out_fused == out_eager
     assert int(fused.runner.null_block_writes) == int(eager.runner.null_block_writes) == 0
+    assert_near_torch_alone(path, dtype, plan, hidden_fused, out_fused, monkeypatch)
     return fused
+
+
+def assert_near_torch_alone(path, dtype, plan, hidden_fused, out_fused, monkeypatch) -> None:
+    """The plan on an engine with the csrc/ kernels off: the fused engine's results within the
+    summation-order error of another GEMM and attention (the references are not bitwise theirs)."""
+    calls = []
+    real = cpu_ops.dense_decoder_layers
+    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")  # read per call by the writers and norms too
+    try:
+        reference = EngineCore(EngineConfig.create(path, max_model_len=256, num_gpu_blocks=96, block_size=16,
+                                                   dtype=str(dtype).removeprefix("torch."),
+                                                   enable_prefix_caching=False))
+        assert reference.runner.model.model.fused is None and reference.runner.attention.name == "torch_reference"
+        hidden_reference = record_hidden(reference)
+        out_reference = run_plan(reference, plan)
+    finally:
+        monkeypatch.delenv("KVSENTRY_DISABLE_CPU_OPS")
+    assert calls == []
+    assert len(hidden_reference) == len(hidden_fused)
+    if dtype == torch.float32:
+        for step, (a, b) in enumerate(zip(hidden_fused, hidden_reference)):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, msg=lambda m: f"step {step}: {m}")
+        assert [(rid, tokens) for rid, tokens, _ in out_fused] == [(rid, tokens) for rid, tokens, _ in out_reference]
+    else:  # one rounding of bf16 (2^-8 relative) per op apart, on the step before any sampling
+        torch.testing.assert_close(hidden_fused[0].float(), hidden_reference[0].float(), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])

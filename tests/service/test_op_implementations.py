@@ -7,8 +7,8 @@ import json
 import msgspec
 
 from engine.messages import RankReady
-from engine.ops import implementations
-from engine.ops.implementations import TORCH_REFERENCE, describe, falling_back, op_implementations
+from engine.ops import registry
+from engine.ops.implementations import TORCH_REFERENCE, describe, falling_back, graphs_entry, op_implementations
 from service.metrics import Metrics
 
 METRIC = "kvsentry_op_implementation_info"
@@ -16,18 +16,26 @@ METRIC = "kvsentry_op_implementation_info"
 
 def test_every_op_is_reported_on_every_device():
     for device in ("cpu", "cuda", "meta"):
-        assert set(op_implementations(device)) == set(implementations.KERNELS)
-    assert op_implementations("meta") == dict.fromkeys(implementations.KERNELS, TORCH_REFERENCE)
+        assert list(op_implementations(device)) == list(registry.OPS)
+    assert op_implementations("meta") == {op: registry.fallback_of(op) for op in registry.OPS}
+    assert op_implementations("meta")["bf16_gemm"] == "onednn"
 
 
 def test_a_disabled_kernel_is_reported_as_a_fallback(monkeypatch):
     monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
     ops = op_implementations("cpu")
     assert ops["paged_attention"] == TORCH_REFERENCE
-    # The writers, checksum and scan kernels are in the same library: disabled with it.
-    assert falling_back(ops, "cpu") == ["paged_attention", "kv_writer", "kv_checksum", "kv_nan_scan"]
-    assert describe(ops) == ("paged_attention=torch_reference kv_writer=torch_reference "
-                             "kv_checksum=torch_reference kv_nan_scan=torch_reference")
+    # Every CPU row is in the same library: all of them are off with it, each on its fallback.
+    cpu_rows = [k.op for k in registry.KERNELS if k.device == "cpu"]
+    assert falling_back(ops, "cpu") == cpu_rows
+    assert describe(ops) == "; ".join(f"{op}={registry.fallback_of(op)}" for op in registry.OPS)
+
+
+def test_cuda_graphs_off_is_a_fallback_unless_the_operator_asked():
+    assert falling_back({"cuda_graphs": graphs_entry(None)}, "cuda") == []
+    assert falling_back({"cuda_graphs": graphs_entry("--enforce-eager")}, "cuda") == []
+    assert falling_back({"cuda_graphs": graphs_entry("torch has no FlexAttention")}, "cuda") == ["cuda_graphs"]
+    assert falling_back({"cuda_graphs": graphs_entry("not a CUDA device")}, "cpu") == []
 
 
 def test_the_ready_message_carries_them():
@@ -47,6 +55,16 @@ def test_a_running_server_exports_and_logs_them(server):
     expected = op_implementations("cpu")  # the test session builds the CPU kernels before any server starts
     for op, implementation in expected.items():
         assert server.metric(METRIC, engine="0", op=op, implementation=implementation) == [1.0], op
-    assert len(server.metric(METRIC, engine="0")) == len(expected)
     lines = [json.loads(line) for line in server.log_text().splitlines() if '"rank_ops"' in line]
-    assert [(line["rank"], line["ops"]) for line in lines] == [(0, describe(expected))]
+    assert [line["rank"] for line in lines] == [0]
+    logged = dict(item.split("=", 1) for item in lines[0]["ops"].split("; "))
+    # Every registry op, then what the runner chose at load: each linear kind's GEMM path and
+    # CUDA graphs (off on a CPU, saying why); the metric has a series for each entry.
+    assert {op: logged[op] for op in expected} == expected
+    kinds = sorted(name for name in logged if name.startswith("linear."))
+    assert {"linear.qkv", "linear.o_proj", "linear.gate_up", "linear.down_proj"} <= set(kinds), kinds
+    assert logged["cuda_graphs"] == "off: not a CUDA device"
+    assert logged["layer_stack"] == "fused_stack"  # a dense model on CPU with the kernels
+    assert len(server.metric(METRIC, engine="0")) == len(logged)
+    for name in kinds:
+        assert server.metric(METRIC, engine="0", op=name, implementation=logged[name]) == [1.0], name
