@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.frontend.chat_template import ChatTemplate
+from engine.chat_template import ChatTemplate
 from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.tokenizer import build_tokenizer
 

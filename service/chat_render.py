@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from engine.frontend.chat_template import RESERVED_VARIABLES, ChatTemplate, compile_template
+from engine.chat_template import RESERVED_VARIABLES, ChatTemplate, compile_template
 from service.errors import APIError, bad_request, from_value_error
 from service.generate import PromptInput, encode
 from service.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
