@@ -9,7 +9,7 @@ Measures, on one thread:
     them (cpu_gemm.PackedLinear), at 256 and 1024 rows, in GFLOP/s;
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
     weights read per second at batch 1 -- the bytes its linears hold as the step reads them: the
-    GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu_quant_panels.h), else the
+    GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu/cpu_quant_panels.h), else the
     dtype's -- and as forward GFLOP/s at batch 64.
 and prints each achieved figure beside its limit.
 """

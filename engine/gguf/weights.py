@@ -65,7 +65,7 @@ _DERIVED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a p
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 Wants = Callable[[str], bool]
-# GGML types (Q4_1, Q8_0) whose blocks the CPU GEMMs multiply by directly (csrc/cpu_quant_panels.h).
+# GGML types (Q4_1, Q8_0) whose blocks the CPU GEMMs multiply by directly (csrc/cpu/cpu_quant_panels.h).
 PANEL_TYPES = frozenset({3, 8})
 
 

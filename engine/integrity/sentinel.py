@@ -46,7 +46,7 @@ class NaNSentinel:
         self.axis = axis
         # [num_blocks, num_layers, (2,) block_size, ...]: blocks first, so a block range is one slice.
         self.by_block = storage.movedim(self.axis, 0)
-        # The same bytes as int32 words, for the scan kernel (csrc/cpu_nonfinite.cpp).
+        # The same bytes as int32 words, for the scan kernel (csrc/cpu/cpu_nonfinite.cpp).
         self.words = block_words(storage, self.axis)
         self.dtype = storage.dtype
         self.num_blocks = config.num_blocks
