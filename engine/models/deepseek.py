@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.ops import cpu_ops, flex_attention
 from engine.ops.attention import AttentionMetadata, attend, gather_kv
+from engine.ops.attention_backends import AttentionBackend, CpuKernelBackend, select
 from engine.config import EngineConfig
 from engine.ops.kv_writer import write_mla
 from engine.models.expert_parallel import ExpertParallel
@@ -140,7 +141,7 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)       # [T, H, rope], [T, rope]
         cache = ctx.kv_caches[self.layer_index]               # [num_blocks, block_size, kv_lora_rank + rope]
         write_mla(kv_c, k_pe, cache, ctx.meta.slot_mapping, ctx.null_block_writes, guard=ctx.write_guard)
-        out = self._decode(q_nope, q_pe, cache, ctx.meta)
+        out = self._decode(q_nope, q_pe, cache, ctx.meta, ctx.attention)
         self._prefill(q_nope, q_pe, cache, ctx.meta, out)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
@@ -168,7 +169,7 @@ class MLAAttention(nn.Module):
             out[q_start:q_end] = attn[0].transpose(0, 1)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:  # [T, H, v_dim]
+                meta: AttentionMetadata, backend: AttentionBackend | None) -> torch.Tensor:  # [T, H, v_dim]
         """One query per request, batched: kv_b_proj folded into q and the output, so every
         head attends over the shared latent vectors themselves (q.k = q_nope W_uk . kv_c + q_pe . k_pe)."""
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
@@ -187,7 +188,10 @@ class MLAAttention(nn.Module):
                 meta.seq_lens, self.scale)                                         # [B, H, R]
             return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
         num_read = -(-meta.max_decode_seq_len // cache.shape[1])
-        if cache.device.type == "cpu" and cache.dtype == query.dtype and cpu_ops.available():
+        # The backend chosen at load says whether csrc/cpu/'s decode kernel runs here; the call
+        # stays MLA's own (one shared latent head, every row reading the batch's longest).
+        backend = backend or select(cache.device, query.dtype, cache.dtype)
+        if isinstance(backend, CpuKernelBackend) and cache.dtype == query.dtype:
             # The latent cache is one shared kv head (keys: the whole row, values: its first R
             # entries): MQA for the CPU kernel, every row reading the batch's longest, as below.
             out_latent = query.new_empty(num_reqs, self.num_heads, self.kv_lora_rank)
