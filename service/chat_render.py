@@ -21,7 +21,8 @@ import jinja2
 from engine.frontend.chat_template import RESERVED_VARIABLES, ChatTemplate, compile_template
 from service.errors import APIError, bad_request, from_value_error
 from service.generate import PromptInput, encode
-from service.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from service.protocol import ChatCompletionRequest, ChatMessage
+from service.protocol_routes import TokenizeRequest
 from service.state import AppState
 from service.tools import tool_messages
 
