@@ -5,8 +5,9 @@
 - `chat_template_kwargs`: extra variables of the template (`enable_thinking`, ...). A name the
   template never reads would change nothing, so it is a 400 naming it, as is a name the
   server sets itself (messages, tools, add_generation_prompt, ...).
-- `reasoning_effort`: the template variable of that name, as vLLM passes it; a 400 where the
-  template does not read it.
+- `reasoning_effort`, `documents`: the template variables of those names, as vLLM passes
+  them; a 400 where the template does not read them.
+- `add_special_tokens`: the tokenizer's special tokens (BOS) on top of what the template writes.
 - `continue_final_message`: the prompt ends inside the final message (a prefill the model
   continues); it excludes `add_generation_prompt`, with vLLM's error when both are set.
 
@@ -79,12 +80,14 @@ def template_variables(template: ChatTemplate, request: ChatRequest) -> dict[str
             raise bad_request(f"chat_template_kwargs: the chat template does not read {name!r}, so it would "
                               f"change nothing; it reads: {', '.join(sorted(template.variables))}",
                               "chat_template_kwargs")
-    effort = getattr(request, "reasoning_effort", None)
-    if effort is not None:
-        if "reasoning_effort" not in template.variables:
-            raise bad_request("reasoning_effort: this model's chat template does not read reasoning_effort, "
-                              "so it would change nothing", "reasoning_effort")
-        variables["reasoning_effort"] = effort
+    for name in ("reasoning_effort", "documents"):  # request fields that are template variables
+        value = getattr(request, name, None)
+        if value is None:
+            continue
+        if name not in template.variables:
+            raise bad_request(f"{name}: this model's chat template does not read {name}, so it would change "
+                              "nothing", name)
+        variables[name] = value
     return variables
 
 
@@ -107,8 +110,15 @@ def render_chat(state: AppState, request: ChatRequest) -> PromptInput:
         raise from_value_error(exc, "messages") from None
     except jinja2.TemplateError as exc:
         raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
-    # The template writes the BOS token itself.
-    return PromptInput(encode(state, text, "messages", add_special_tokens=False), text)
+    # The template writes the BOS token itself; vLLM's add_special_tokens adds the tokenizer's on top.
+    return PromptInput(encode(state, text, "messages", add_special_tokens=_add_special_tokens(request)), text)
+
+
+def _add_special_tokens(request: ChatRequest) -> bool:
+    if isinstance(request, ChatCompletionRequest):
+        return request.add_special_tokens
+    # /tokenize's field defaults to true for a prompt; for messages only an explicit true counts.
+    return "add_special_tokens" in request.model_fields_set and request.add_special_tokens
 
 
 def echoed_text(request: ChatCompletionRequest) -> str:

@@ -310,6 +310,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    documents: list[dict[str, str]] | None = None  # RAG templates' `documents` variable
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
 
 
 class TopLogprob(BaseModel):

@@ -149,3 +149,21 @@ def test_request_chat_template_needs_the_flag(server):
                                                    "--trust-request-chat-template is not set"), error
         # The checkpoint's template reads no reasoning_effort: refused rather than dropped.
         assert refused(plain, messages=ASK, reasoning_effort="high")["param"] == "reasoning_effort"
+
+
+def test_add_special_tokens_puts_the_tokenizers_own_on_top(http):
+    plain = http.post("/tokenize", json={"messages": ASK}).json()["tokens"]
+    special = http.post("/tokenize", json={"messages": ASK, "add_special_tokens": True}).json()["tokens"]
+    assert len(special) > len(plain) and special[-len(plain):] == plain
+    assert chat(http, messages=ASK)["usage"]["prompt_tokens"] == len(plain)  # vLLM's default: the template's only
+    assert chat(http, messages=ASK, add_special_tokens=True)["usage"]["prompt_tokens"] == len(special)
+
+
+def test_documents_reach_a_template_that_reads_them(http):
+    template = "{% for d in documents %}<doc>{{ d['text'] }}</doc>{% endfor %}{{ messages[-1]['content'] }}"
+    docs = [{"title": "Paris", "text": "Paris is in France."}]
+    assert rendered(http, messages=ASK, chat_template=template, chat_template_kwargs={"documents": docs}) == \
+        "<doc>Paris is in France.</doc>Name a colour."
+    assert chat(http, messages=ASK, chat_template=template, documents=docs)["usage"]["prompt_tokens"] == \
+        prompt_tokens(http, messages=ASK, chat_template=template, chat_template_kwargs={"documents": docs})
+    assert refused(http, messages=ASK, documents=docs)["param"] == "documents"
