@@ -1,9 +1,13 @@
-"""vLLM's chat extensions over HTTP: chat_template_kwargs and reasoning_effort reach the template,
+"""vLLM's chat extensions over HTTP, on a server started with vLLM's flags (--chat-template,
+--trust-request-chat-template, --disable-log-requests, --max-logprobs): chat_template_kwargs,
+reasoning_effort and documents reach the template,
 continue_final_message continues the last turn, echo prefixes the reply as vLLM does, a request's
 own chat_template needs --trust-request-chat-template, and --chat-template replaces the
 checkpoint's. What a request renders is read back through /tokenize, and a completion's
 prompt_tokens show the generation used that same prompt."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,7 +34,7 @@ def trusting(llama_path, tmp_path_factory):
     template = logs / "template.jinja"
     template.write_text(TEMPLATE)
     proc = ServerProcess(llama_path, "--threads", "1", "--max-model-len", "1024", "--chat-template", str(template),
-                         "--trust-request-chat-template", log_dir=logs)
+                         "--trust-request-chat-template", "--disable-log-requests", "--max-logprobs", "2", log_dir=logs)
     try:
         yield proc.wait_ready()
     finally:
@@ -167,3 +171,21 @@ def test_documents_reach_a_template_that_reads_them(http):
     assert chat(http, messages=ASK, chat_template=template, documents=docs)["usage"]["prompt_tokens"] == \
         prompt_tokens(http, messages=ASK, chat_template=template, chat_template_kwargs={"documents": docs})
     assert refused(http, messages=ASK, documents=docs)["param"] == "documents"
+
+
+def test_disable_log_requests_drops_the_per_request_line(trusting, http):
+    """vLLM's --disable-log-requests (this server's): the served request leaves no info line."""
+    chat(http, messages=ASK)
+    events = [json.loads(line) for line in trusting.log_text().splitlines() if line.startswith("{")]
+    assert any(e.get("event") == "serving" for e in events)  # the log is there, at info
+    assert not [e for e in events if e.get("event") == "request"]
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(http):
+    """vLLM's --max-logprobs (2 on this server), on both endpoints."""
+    error = refused(http, messages=ASK, logprobs=True, top_logprobs=3)
+    assert error["param"] == "top_logprobs" and "--max-logprobs" in error["message"]
+    error = refused(http, "/v1/completions", prompt="hi", logprobs=3)
+    assert error["param"] == "logprobs" and "--max-logprobs" in error["message"]
+    out = chat(http, messages=ASK, logprobs=True, top_logprobs=2)
+    assert all(len(entry["top_logprobs"]) == 2 for entry in out["choices"][0]["logprobs"]["content"])
