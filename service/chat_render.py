@@ -32,6 +32,7 @@ UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request
 BOTH_PROMPTS = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
 ChatRequest = ChatCompletionRequest | TokenizeRequest
+_MEDIA_PAYLOADS = ("image_url", "input_audio", "file", "video_url")  # ContentPart's non-text fields
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -40,9 +41,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         content = message.content
         if isinstance(content, list):
             for part in content:
-                if part.type != "text" or part.text is None:
+                payloads = [name for name in _MEDIA_PAYLOADS if getattr(part, name) is not None]
+                if part.type != "text" or part.text is None or payloads:
                     raise bad_request(f"messages.{i}.content: only text parts are supported "
-                                      f"(got type {part.type!r})", f"messages.{i}.content")
+                                      f"(got type {part.type!r}{''.join(f' with {p}' for p in payloads)})",
+                                      f"messages.{i}.content")
             content = [{"type": "text", "text": part.text} for part in content]
         entry = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
