@@ -189,3 +189,13 @@ def test_max_logprobs_caps_what_a_request_may_ask(http):
     assert error["param"] == "logprobs" and "--max-logprobs" in error["message"]
     out = chat(http, messages=ASK, logprobs=True, top_logprobs=2)
     assert all(len(entry["top_logprobs"]) == 2 for entry in out["choices"][0]["logprobs"]["content"])
+
+
+def test_continue_final_message_through_templates_that_reshape_the_text(http):
+    trims = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>{% endfor %}"
+    spaced = [*ASK, {"role": "assistant", "content": "My favourite colour is "}]
+    assert rendered(http, messages=spaced, chat_template=trims, **CONTINUE) == \
+        "<user>Name a colour.</user><assistant>My favourite colour is"
+    shouts = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    error = refused(http, messages=PREFILL, chat_template=shouts, **CONTINUE)
+    assert error["param"] == "continue_final_message" and "cannot be continued" in error["message"]
