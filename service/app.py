@@ -20,8 +20,9 @@ from service.faults import router as faults_router
 from service.generate import encode
 from service.metrics import CONTENT_TYPE
 from service.middleware import FrontDoor
-from service.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                              StatusResponse, TokenizeRequest, TokenizeResponse, VersionResponse)
+from service.protocol import ErrorResponse
+from service.protocol_routes import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, StatusResponse,
+                                     TokenizeRequest, TokenizeResponse, VersionResponse)
 from service.responses import ERROR_RESPONSES
 from service.state import AppState
 

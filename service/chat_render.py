@@ -5,8 +5,9 @@
 - `chat_template_kwargs`: extra variables of the template (`enable_thinking`, ...). A name the
   template never reads would change nothing, so it is a 400 naming it, as is a name the
   server sets itself (messages, tools, add_generation_prompt, ...).
-- `reasoning_effort`: the template variable of that name, as vLLM passes it; a 400 where the
-  template does not read it.
+- `reasoning_effort`, `documents`: the template variables of those names, as vLLM passes
+  them; a 400 where the template does not read them.
+- `add_special_tokens`: the tokenizer's special tokens (BOS) on top of what the template writes.
 - `continue_final_message`: the prompt ends inside the final message (a prefill the model
   continues); it excludes `add_generation_prompt`, with vLLM's error when both are set.
 
@@ -21,7 +22,8 @@ import jinja2
 from engine.chat_template import RESERVED_VARIABLES, ChatTemplate, compile_template
 from service.errors import APIError, bad_request, from_value_error
 from service.generate import PromptInput, encode
-from service.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from service.protocol import ChatCompletionRequest, ChatMessage
+from service.protocol_routes import TokenizeRequest
 from service.state import AppState
 from service.tools import tool_messages
 
@@ -30,6 +32,7 @@ UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request
 BOTH_PROMPTS = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
 ChatRequest = ChatCompletionRequest | TokenizeRequest
+_MEDIA_PAYLOADS = ("image_url", "input_audio", "file", "video_url")  # ContentPart's non-text fields
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -38,9 +41,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         content = message.content
         if isinstance(content, list):
             for part in content:
-                if part.type != "text" or part.text is None:
+                payloads = [name for name in _MEDIA_PAYLOADS if getattr(part, name) is not None]
+                if part.type != "text" or part.text is None or payloads:
                     raise bad_request(f"messages.{i}.content: only text parts are supported "
-                                      f"(got type {part.type!r})", f"messages.{i}.content")
+                                      f"(got type {part.type!r}{''.join(f' with {p}' for p in payloads)})",
+                                      f"messages.{i}.content")
             content = [{"type": "text", "text": part.text} for part in content]
         entry = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
@@ -78,12 +83,14 @@ def template_variables(template: ChatTemplate, request: ChatRequest) -> dict[str
             raise bad_request(f"chat_template_kwargs: the chat template does not read {name!r}, so it would "
                               f"change nothing; it reads: {', '.join(sorted(template.variables))}",
                               "chat_template_kwargs")
-    effort = getattr(request, "reasoning_effort", None)
-    if effort is not None:
-        if "reasoning_effort" not in template.variables:
-            raise bad_request("reasoning_effort: this model's chat template does not read reasoning_effort, "
-                              "so it would change nothing", "reasoning_effort")
-        variables["reasoning_effort"] = effort
+    for name in ("reasoning_effort", "documents"):  # request fields that are template variables
+        value = getattr(request, name, None)
+        if value is None:
+            continue
+        if name not in template.variables:
+            raise bad_request(f"{name}: this model's chat template does not read {name}, so it would change "
+                              "nothing", name)
+        variables[name] = value
     return variables
 
 
@@ -106,8 +113,15 @@ def render_chat(state: AppState, request: ChatRequest) -> PromptInput:
         raise from_value_error(exc, "messages") from None
     except jinja2.TemplateError as exc:
         raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
-    # The template writes the BOS token itself.
-    return PromptInput(encode(state, text, "messages", add_special_tokens=False), text)
+    # The template writes the BOS token itself; vLLM's add_special_tokens adds the tokenizer's on top.
+    return PromptInput(encode(state, text, "messages", add_special_tokens=_add_special_tokens(request)), text)
+
+
+def _add_special_tokens(request: ChatRequest) -> bool:
+    if isinstance(request, ChatCompletionRequest):
+        return request.add_special_tokens
+    # /tokenize's field defaults to true for a prompt; for messages only an explicit true counts.
+    return "add_special_tokens" in request.model_fields_set and request.add_special_tokens
 
 
 def echoed_text(request: ChatCompletionRequest) -> str:

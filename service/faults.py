@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from engine.messages import Fault
 from service.errors import APIError, from_value_error
-from service.protocol import FaultRequest, StatusResponse
+from service.protocol_routes import FaultRequest, StatusResponse
 from service.responses import ERROR_RESPONSES
 from service.state import AppState
 

@@ -328,6 +328,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    documents: list[dict[str, str]] | None = None  # RAG templates' `documents` variable
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
 
 
 class TopLogprob(BaseModel):
@@ -394,71 +396,3 @@ class ChatCompletionChunk(Response):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk only
-
-
-# -- models, tokenizer, operations ------------------------------------------------------------------
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvsentry"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(StrictRequest):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(StrictRequest):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-class StatusResponse(BaseModel):
-    status: str
-    detail: dict[str, Any] | None = None
-
-
-class FaultRequest(StrictRequest):
-    """nan | inf: poison one value of `block`; legacy_dummy: the next dummy batch writes the
-    null block; bitflip: flip one bit of sealed `block` (finite corruption, no NaN);
-    stale_slot_dummy: the next dummy batch reuses the previous real step's slots."""
-    rank: int = Field(0, ge=0)
-    kind: Literal["nan", "inf", "legacy_dummy", "bitflip", "stale_slot_dummy"]
-    layer: int = Field(0, ge=0)
-    block: int | None = Field(None, ge=0)  # None: 0, or for bitflip the rank's latest sealed block
-    target: Literal["k", "v", "latent"] = "k"
-
-    def fault_block(self) -> int:
-        """`Fault.block`: -1 asks the rank to pick a sealed block for a bitflip."""
-        if self.block is None:
-            return -1 if self.kind == "bitflip" else 0
-        return self.block

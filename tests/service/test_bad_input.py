@@ -123,6 +123,9 @@ CASES = [
     chat("chat_unknown_field", foo=1, param="foo", message="Unrecognized request argument supplied: foo"),
     chat("chat_unknown_message_field", messages=[{"role": "user", "content": "hi", "foo": 1}],
          param="messages.0.foo", message="Unrecognized request argument supplied: messages.0.foo"),
+    chat("chat_text_part_with_an_image", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi", "image_url": {"url": "x"}}]}], param="messages.0.content",
+         message="with image_url"),
     chat("chat_unknown_content_part_field", messages=[{"role": "user", "content": [{"type": "text", "text": "hi",
                                                                                    "foo": 1}]}],
          param="messages.0.content.0.foo"),

@@ -1,9 +1,13 @@
-"""vLLM's chat extensions over HTTP: chat_template_kwargs and reasoning_effort reach the template,
+"""vLLM's chat extensions over HTTP, on a server started with vLLM's flags (--chat-template,
+--trust-request-chat-template, --disable-log-requests, --max-logprobs): chat_template_kwargs,
+reasoning_effort and documents reach the template,
 continue_final_message continues the last turn, echo prefixes the reply as vLLM does, a request's
 own chat_template needs --trust-request-chat-template, and --chat-template replaces the
 checkpoint's. What a request renders is read back through /tokenize, and a completion's
 prompt_tokens show the generation used that same prompt."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,7 +34,7 @@ def trusting(llama_path, tmp_path_factory):
     template = logs / "template.jinja"
     template.write_text(TEMPLATE)
     proc = ServerProcess(llama_path, "--threads", "1", "--max-model-len", "1024", "--chat-template", str(template),
-                         "--trust-request-chat-template", log_dir=logs)
+                         "--trust-request-chat-template", "--disable-log-requests", "--max-logprobs", "2", log_dir=logs)
     try:
         yield proc.wait_ready()
     finally:
@@ -149,3 +153,49 @@ def test_request_chat_template_needs_the_flag(server):
                                                    "--trust-request-chat-template is not set"), error
         # The checkpoint's template reads no reasoning_effort: refused rather than dropped.
         assert refused(plain, messages=ASK, reasoning_effort="high")["param"] == "reasoning_effort"
+
+
+def test_add_special_tokens_puts_the_tokenizers_own_on_top(http):
+    plain = http.post("/tokenize", json={"messages": ASK}).json()["tokens"]
+    special = http.post("/tokenize", json={"messages": ASK, "add_special_tokens": True}).json()["tokens"]
+    assert len(special) > len(plain) and special[-len(plain):] == plain
+    assert chat(http, messages=ASK)["usage"]["prompt_tokens"] == len(plain)  # vLLM's default: the template's only
+    assert chat(http, messages=ASK, add_special_tokens=True)["usage"]["prompt_tokens"] == len(special)
+
+
+def test_documents_reach_a_template_that_reads_them(http):
+    template = "{% for d in documents %}<doc>{{ d['text'] }}</doc>{% endfor %}{{ messages[-1]['content'] }}"
+    docs = [{"title": "Paris", "text": "Paris is in France."}]
+    assert rendered(http, messages=ASK, chat_template=template, chat_template_kwargs={"documents": docs}) == \
+        "<doc>Paris is in France.</doc>Name a colour."
+    assert chat(http, messages=ASK, chat_template=template, documents=docs)["usage"]["prompt_tokens"] == \
+        prompt_tokens(http, messages=ASK, chat_template=template, chat_template_kwargs={"documents": docs})
+    assert refused(http, messages=ASK, documents=docs)["param"] == "documents"
+
+
+def test_disable_log_requests_drops_the_per_request_line(trusting, http):
+    """vLLM's --disable-log-requests (this server's): the served request leaves no info line."""
+    chat(http, messages=ASK)
+    events = [json.loads(line) for line in trusting.log_text().splitlines() if line.startswith("{")]
+    assert any(e.get("event") == "serving" for e in events)  # the log is there, at info
+    assert not [e for e in events if e.get("event") == "request"]
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(http):
+    """vLLM's --max-logprobs (2 on this server), on both endpoints."""
+    error = refused(http, messages=ASK, logprobs=True, top_logprobs=3)
+    assert error["param"] == "top_logprobs" and "--max-logprobs" in error["message"]
+    error = refused(http, "/v1/completions", prompt="hi", logprobs=3)
+    assert error["param"] == "logprobs" and "--max-logprobs" in error["message"]
+    out = chat(http, messages=ASK, logprobs=True, top_logprobs=2)
+    assert all(len(entry["top_logprobs"]) == 2 for entry in out["choices"][0]["logprobs"]["content"])
+
+
+def test_continue_final_message_through_templates_that_reshape_the_text(http):
+    trims = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>{% endfor %}"
+    spaced = [*ASK, {"role": "assistant", "content": "My favourite colour is "}]
+    assert rendered(http, messages=spaced, chat_template=trims, **CONTINUE) == \
+        "<user>Name a colour.</user><assistant>My favourite colour is"
+    shouts = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    error = refused(http, messages=PREFILL, chat_template=shouts, **CONTINUE)
+    assert error["param"] == "continue_final_message" and "cannot be continued" in error["message"]
