@@ -169,7 +169,7 @@ class MLAAttention(nn.Module):
             out[q_start:q_end] = attn[0].transpose(0, 1)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend | None) -> torch.Tensor:  # [T, H, v_dim]
+                meta: AttentionMetadata, backend: AttentionBackend | None = None) -> torch.Tensor:  # [T, H, v_dim]
         """One query per request, batched: kv_b_proj folded into q and the output, so every
         head attends over the shared latent vectors themselves (q.k = q_nope W_uk . kv_c + q_pe . k_pe)."""
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
