@@ -84,7 +84,8 @@ def run_worker(engine: str, spec: dict) -> dict:
 
 
 def main() -> None:
-    from common import DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, prompt_token_range, random_prompts, workload_parser
+    from common import (DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, prompt_token_range, random_prompts,
+                        workload_parser)
     from judge import Float32Scorer, judge
     from results import write_result
     from servers import VLLM_DIR, peer_version, resolve_model

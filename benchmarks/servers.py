@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -83,7 +84,8 @@ class KvsentryServer:
         self.pid = self.proc.pid
 
     def threads_note(self) -> str:
-        return f"kvsentry: --threads {self.threads} (torch threads of its engine rank; not pinned)"
+        return (f"kvsentry: --threads {self.threads} (torch threads of its engine rank; not pinned), "
+                f"{PREFIX_CACHING_OFF}")
 
     def __enter__(self) -> "KvsentryServer":
         try:
@@ -133,7 +135,10 @@ class VllmServer:
     def threads_note(self) -> str:
         log = (VLLM_DIR / f"serve-{self.port}.log").read_text(errors="replace").splitlines()
         binding = [line.strip() for line in log if "VLLM_CPU_OMP_THREADS_BIND=" in line or "core ids=" in line]
-        return "vLLM: " + ("; ".join(binding) or "no OpenMP binding line in its log")
+        # Its config line says whether the prefix cache is really off.
+        prefix = sorted({m for line in log for m in re.findall(r"enable_prefix_caching=\w+", line)})
+        return "vLLM: " + ("; ".join(binding) or "no OpenMP binding line in its log") + \
+            f"; {', '.join(prefix) or 'no enable_prefix_caching in its log'}"
 
     def __enter__(self) -> "VllmServer":
         wait_ready(f"{self.url}/v1/models")
