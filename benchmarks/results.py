@@ -68,9 +68,10 @@ def result_path(name: str, stamp: dict, directory: Path = RESULTS_DIR) -> Path:
     return directory / f"{name}_{stamp['date']}_{stamp['machine']}_{stamp['commit']}.json"
 
 
-def write_result(name: str, payload: dict, path: str | Path | None = None) -> Path:
-    """Write `payload` with its provenance under benchmarks/results/ (or at `path`); returns the path."""
-    stamp = provenance()
+def write_result(name: str, payload: dict, path: str | Path | None = None, stamp: dict | None = None) -> Path:
+    """Write `payload` with its provenance (`stamp`, taken when the run started; else now) under
+    benchmarks/results/ (or at `path`); returns the path."""
+    stamp = stamp or provenance()
     target = Path(path) if path else result_path(name, stamp)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps({"provenance": stamp, **payload}, indent=1) + "\n")

@@ -54,7 +54,7 @@ import httpx
 
 from common import DTYPES, prompt_token_range
 from judge import Float32Scorer, Verdict, judge
-from results import write_result
+from results import provenance, write_result
 from servers import ROOT, KvsentryServer, VllmServer, kvsentry_model, peer_version, resolve_model, thread_cpu_seconds
 
 sys.path.insert(0, str(ROOT))
@@ -342,6 +342,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stamp = provenance()  # the commit and time the run starts at
     runs: dict[str, list[RunResult]] = {}
     notes: dict[str, str] = {}
     started = {}
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 score.close()
         print(verdict.summary())
         result["verdict"] = verdict.as_json()
-    write_result(f"serve-{args.dtype}", result, args.json)
+    write_result(f"serve-{args.dtype}", result, args.json, stamp)
     if errors:
         print(f"FAIL: {errors} requests failed", file=sys.stderr)
     return 1 if errors or (verdict is not None and not verdict.passed) else 0
