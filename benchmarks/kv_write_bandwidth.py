@@ -196,6 +196,10 @@ def print_table(rows: list[Row], device: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.smoke_cpu:  # the GPU path on the CPU ops (tests/csrc): exercises the code, not the hardware
+        from engine.ops import cpu_ops
+        if not cpu_ops.available():
+            print("the kvsentry CPU ops did not build (see the warning above).")
+            return 1
         rows = run_kernels(args, torch.device("cpu"), time_cpu)
         device = "cpu (smoke run of the kernel path: timings are meaningless)"
         print_table(rows, device)

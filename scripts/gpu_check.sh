@@ -23,7 +23,16 @@
 #   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh    # a torch built with CUDA
 # Through the device tool: scripts/gpu_wheels.sh here, then run "scripts/gpu_check.sh" with
 # carry [".whl"] and timeout_s 420 (a rerun must fit in the 15 minutes); 600 with 2+ GPUs.
+#
+#   scripts/gpu_check.sh --rehearse-on-cpu
+# runs the same steps, in the same order, through the same step runner and summary, with each
+# step's CPU counterpart: the CPU op library, the GPU tests collected (not run), the CUDA graphs
+# and DP=2 programs with "cpu", the bandwidth benchmark's kernel path on the CPU ops. It proves
+# the script and its programs work before device time is spent; it says nothing about a GPU.
+# tests/csrc/test_benchmark_and_gpu_script.py runs it.
 set -uo pipefail
+REHEARSE=0
+[ "${1:-}" = --rehearse-on-cpu ] && REHEARSE=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT_DIR=${OUT:-build/gpu_check}
 mkdir -p "$OUT_DIR"
@@ -113,11 +122,15 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 echo "python modules: all of $REQUIRED_MODULES load"
-if ! sees_gpu "$PY"; then
+DEVICE=cuda
+if [ "$REHEARSE" = 1 ]; then
+  DEVICE=cpu
+  echo "REHEARSAL on the CPU: each step runs its CPU counterpart; nothing here is a GPU result."
+elif ! sees_gpu "$PY"; then
   echo "No python with a CUDA-enabled torch that sees a GPU (set PYTHON=...). Nothing checked."
   exit 2
 fi
-"$PY" - <<'EOF'
+[ "$DEVICE" = cuda ] && "$PY" - <<'EOF'
 import sys, torch
 print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"{torch.cuda.get_device_name()} sm_{''.join(map(str, torch.cuda.get_device_capability()))}, "
@@ -125,15 +138,19 @@ print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__versi
 EOF
 
 export KVSENTRY_EXTENSION_DIR=${KVSENTRY_EXTENSION_DIR:-$PWD/build/torch_extensions}
-export KVSENTRY_REQUIRE_CUDA_OPS=1          # a failed build is an error, never a silent fallback
+[ "$DEVICE" = cuda ] && export KVSENTRY_REQUIRE_CUDA_OPS=1  # a failed build is an error, never a silent fallback
 export KVSENTRY_DEBUG_OPS=1                  # the test build, which tests/gpu loads too: one compile
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+if [ "$DEVICE" = cuda ] && [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
   TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
   export TORCH_CUDA_ARCH_LIST
 fi
-echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS KVSENTRY_EXTENSION_DIR=$KVSENTRY_EXTENSION_DIR"
+echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS KVSENTRY_EXTENSION_DIR=$KVSENTRY_EXTENSION_DIR"
 
+if [ "$DEVICE" = cpu ]; then
+  run_step build 300 build.log -- "$PY" -c \
+    'from engine.ops import cpu_ops; assert cpu_ops.available(); print("CPU op library loaded")'
+else
 run_step build 300 build.log -- "$PY" - <<'EOF'
 import time, torch
 t = time.time()
@@ -143,10 +160,12 @@ assert registry.op("built_with_cuda")(), "the loaded library is the CPU-only bui
 assert cuda_ops.available()
 print(f"built {path} in {time.time() - t:.1f}s")
 EOF
+fi
 
 if [ "${STATUS[build]}" = PASS ]; then
   PYTEST_ARGS=(-m gpu tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml")
   "$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST_ARGS+=(--timeout=180)
+  [ "$DEVICE" = cpu ] && PYTEST_ARGS+=(--collect-only)
   run_step tests 270 tests.log -- "$PY" -m pytest "${PYTEST_ARGS[@]}"
   # A file like the DP=2 program below; tests/csrc/test_benchmark_and_gpu_script.py runs it with "cpu".
   cat > "$OUT_DIR/cuda_graphs_check.py" <<'GRAPHS_EOF'
@@ -279,11 +298,16 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cuda", int(sys.argv[2]) if len(sys.argv) > 2 else 1000,
                   int(sys.argv[3]) if len(sys.argv) > 3 else 32))
 GRAPHS_EOF
+  GRAPHS_ARGS=(cuda) BANDWIDTH_ARGS=()
+  # The rehearsal: fewer dummy batches and decode steps; the kernel path on the CPU ops, no target.
+  [ "$DEVICE" = cpu ] && GRAPHS_ARGS=(cpu 24 3) BANDWIDTH_ARGS=(--smoke-cpu --tokens 1 40 --iters 1 --repeats 1
+                                                                 --target 0 --target-from 1)
   run_step graphs 180 graphs.log -- env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" "$OUT_DIR/cuda_graphs_check.py" cuda
+    "$PY" "$OUT_DIR/cuda_graphs_check.py" "${GRAPHS_ARGS[@]}"
   run_step bandwidth 150 bandwidth.log -- "$PY" benchmarks/kv_write_bandwidth.py --fp8 \
-    --json "$OUT_DIR/bandwidth.json"
-  GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    --json "$OUT_DIR/bandwidth.json" "${BANDWIDTH_ARGS[@]}"
+  GPUS=2  # the rehearsal: DP=2 CPU ranks
+  [ "$DEVICE" = cuda ] && GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
   if [ "${GPUS:-0}" -ge 2 ]; then
     # A file, not stdin: the ranks are spawned, and spawn re-imports the main module.
     # tests/csrc/test_benchmark_and_gpu_script.py runs this program with "cpu" on any machine.
@@ -352,7 +376,7 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cuda"))
 DP2_EOF
     run_step placement 240 placement.log -- env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-      "$PY" "$OUT_DIR/dp2_placement.py" cuda
+      "$PY" "$OUT_DIR/dp2_placement.py" "$DEVICE"
   else
     STATUS[placement]="SKIPPED (${GPUS:-?} GPU)"
   fi
@@ -370,9 +394,12 @@ for step in build tests graphs bandwidth placement; do
   case "$step ${STATUS[$step]}" in "placement SKIPPED (1 GPU)"|"$step PASS") ;; *) overall=1 ;; esac
 done
 if [ -f "$OUT_DIR/tests.log" ]; then
-  line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?)\b.* in [0-9.]+s' "$OUT_DIR/tests.log" | tail -n 1)
+  line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|tests? collected)\b.* in [0-9.]+s' "$OUT_DIR/tests.log" \
+         | tail -n 1)
   echo "  tests:     ${line:-no pytest summary line}"
-  case $line in *" passed"*) ;; *) overall=1; echo "  tests:     nothing passed: on a GPU machine that is a failure" ;; esac
+  wanted=" passed"
+  [ "$DEVICE" = cpu ] && wanted=" collected"  # the rehearsal collects the GPU tests, it cannot run them
+  case $line in *"$wanted"*) ;; *) overall=1; echo "  tests:     nothing${wanted}: on a GPU machine that is a failure" ;; esac
   grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | head -n 20 | sed 's/^/    /'
 fi
 if [ -f "$OUT_DIR/graphs.log" ]; then
@@ -385,4 +412,5 @@ if [ -f "$OUT_DIR/bandwidth.log" ]; then
 fi
 [ "${STATUS[build]}" = PASS ] || tail -n 30 "$OUT_DIR/build.log" | sed 's/^/    build| /'
 echo "  logs:      $OUT_DIR  (total $(( $(date +%s) - T0 ))s)"
+[ "$DEVICE" = cpu ] && echo "  REHEARSAL on the CPU: $([ $overall = 0 ] && echo "every step ran" || echo "a step failed")"
 exit "$overall"

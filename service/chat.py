@@ -11,7 +11,6 @@ from service.chat_render import echoed_text, render_chat
 from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, check_max_logprobs, complete, request_params,
                               start_generation)
-from service.logprobs import prompt_logprob_maps
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatLogprobs, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
@@ -21,6 +20,7 @@ from service.tool_stream import ToolCallStream
 from service.structured import after_reasoning, compile_or_refuse, request_grammar
 from service.reasoning import ReasoningStream, split_reasoning
 from service.tools import ToolPlan, new_call_id, plan_tools
+from service.vllm_fields import prompt_logprob_maps
 
 router = APIRouter()
 ROUTE = "/v1/chat/completions"
@@ -71,7 +71,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   token_ids=list(sample.token_ids) if body.return_token_ids else None))
     prompt_maps = None
     if body.prompt_logprobs is not None:
-        prompt_maps = prompt_logprob_maps(state.formatter, gen.states[0].prompt_logprobs, prompt.token_ids,
+        prompt_maps = prompt_logprob_maps(state.formatter.text, gen.states[0].prompt_logprobs, prompt.token_ids,
                                           body.prompt_logprobs)
     return ChatCompletionResponse(id=gen.request_id, created=created, model=state.model_name,
                                   choices=choices, usage=gen.usage(), prompt_logprobs=prompt_maps,

@@ -11,13 +11,14 @@ from engine.messages import TokenLogprob
 from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, PromptInput, check_max_logprobs, complete, encode,
                               request_params, start_generation)
-from service.logprobs import merge, prompt_logprob_maps
+from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
 from service.structured import request_grammar
+from service.vllm_fields import prompt_logprob_maps
 
 router = APIRouter()
 ROUTE = "/v1/completions"
@@ -87,7 +88,7 @@ def _response(state: AppState, gen: Generation, body: CompletionRequest, created
         prefix = echo_text(state, prompt, body.skip_special_tokens) if body.echo else ""
         prompt_maps = None
         if body.prompt_logprobs is not None:
-            prompt_maps = prompt_logprob_maps(state.formatter, request_state.prompt_logprobs, prompt.token_ids,
+            prompt_maps = prompt_logprob_maps(state.formatter.text, request_state.prompt_logprobs, prompt.token_ids,
                                               body.prompt_logprobs)
         for sample in request_state.samples:
             logprobs = None

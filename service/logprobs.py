@@ -5,7 +5,7 @@ import functools
 
 from engine.messages import TokenLogprob
 from engine.tokenizer import Tokenizer
-from service.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprobOut, TopLogprob
+from service.protocol import CompletionLogprobs, TokenLogprobOut, TopLogprob
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,25 +79,6 @@ class TokenFormatter:
                                                          bytes=list(self.raw_bytes(t)))
                                               for t, v in e.top])
                 for e in entries]
-
-
-def prompt_logprob_maps(formatter: TokenFormatter, entries: list[TokenLogprob | None], token_ids: list[int],
-                    num_top: int) -> PromptLogprobs:
-    """vLLM's prompt_logprobs: per prompt token (None for the first, which nothing predicts)
-    {token id: logprob, rank, decoded token} with the prompt's own token and the top `num_top`."""
-    entries = list(entries[:len(token_ids)]) + [None] * (len(token_ids) - len(entries))
-    out: PromptLogprobs = []
-    for entry in entries:
-        if entry is None:
-            out.append(None)
-            continue
-        position = {entry.token_id: PromptLogprob(logprob=entry.logprob, rank=entry.rank,
-                                                  decoded_token=formatter.text(entry.token_id))}
-        for rank, (token_id, value) in enumerate(entry.top[:num_top], start=1):
-            position.setdefault(token_id, PromptLogprob(logprob=value, rank=rank,
-                                                        decoded_token=formatter.text(token_id)))
-        out.append(position)
-    return out
 
 
 def merge(into: CompletionLogprobs, more: CompletionLogprobs) -> CompletionLogprobs:

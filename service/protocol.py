@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from engine.sampling_params import LIMITS, Bounds, SamplingParams
+from service.vllm_fields import ChoiceTokenIds, PromptDetails, PromptTokenIds
 
 MAX_CHOICES = 128  # n x prompts per request: more is a denial of service, not a use case
 _ENGINE_DEFAULTS = SamplingParams()
@@ -197,26 +198,12 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
-class PromptLogprob(BaseModel):
-    """vLLM's Logprob, one entry of a prompt position's {token id: ...} map."""
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# Per prompt token, None for the first: {token id: PromptLogprob} with the prompt's token and the top-N.
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class CompletionChoice(BaseModel):
+class CompletionChoice(ChoiceTokenIds, PromptDetails):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None          # return_token_ids
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None   # return_token_ids
 
 
 class UsageInfo(BaseModel):
@@ -354,24 +341,21 @@ class AssistantMessage(BaseModel):
     reasoning: str | None = None          # the same, under the name newer clients read
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(ChoiceTokenIds):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(Response):
+class ChatCompletionResponse(Response, PromptDetails):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -379,20 +363,18 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(ChoiceTokenIds):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids: the tokens this chunk adds
 
 
-class ChatCompletionChunk(Response):
+class ChatCompletionChunk(Response, PromptTokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk only

@@ -1,12 +1,15 @@
-"""benchmarks/ and scripts/gpu_check.sh on a machine without a GPU: the bandwidth benchmark's
-CPU paths, and the check every engine-vs-peer benchmark ends with (outputs that must be equal
-are, or the run exits non-zero)."""
+"""benchmarks/ and scripts/gpu_check.sh on a machine without a GPU, run for real: the bandwidth
+benchmark's CPU paths; the verdict every engine-vs-peer benchmark ends with (judge.py, the
+float32 scorer against transformers), serve.py end to end with a kvsentry stand-in for the peer;
+the JSON each benchmark writes; and gpu_check.sh's rehearsal of every step on the CPU."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,12 +67,18 @@ def test_benchmark_kernel_path_runs(kvsentry_ops, tmp_path, capsys):
 def bench_modules(monkeypatch):
     """Import benchmark scripts as they run: with benchmarks/ first on sys.path."""
     monkeypatch.syspath_prepend(str(BENCH_DIR))
-    names = ("common", "servers", "serve", "offline_vllm")
+    names = ("common", "servers", "serve", "offline_vllm", "judge", "results", "near_tie_threshold")
     for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)
     yield lambda name: importlib.import_module(name)
     for name in names:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def bench_llama(tmp_path_factory) -> Path:
+    from service.demo.checkpoint import write_preset
+    return write_preset(tmp_path_factory.mktemp("bench-llama"), "bench-llama")
 
 
 def test_require_identical_passes_equal_outputs_and_fails_on_any_difference(bench_modules):
@@ -87,69 +96,99 @@ def test_require_identical_passes_equal_outputs_and_fails_on_any_difference(benc
         common.require_identical("tokens", [[1]], [[1], [2]], names)
 
 
-def test_bfloat16_outputs_may_diverge_only_at_near_ties_and_only_so_often(bench_modules):
-    common = bench_modules("common")
-    names = ("ours", "peer")
-    ours, theirs = [[1, 2, 3], [4, 5], [6], [7]], [[1, 2, 9], [4, 5], [6], [7]]
-    gaps = {(0, 2): 0.25}
-    verdict = common.require_equal_up_to_near_ties("tokens", ours, theirs, names, gap=lambda i, at: gaps[i, at],
-                                                   max_share=0.25)
-    assert verdict.startswith("tokens: 1/4 diverge (ours vs peer;")
-    assert "request 0: first difference at token 2, float32 logit gap 0.250" in verdict
-    gaps[0, 2] = common.NEAR_TIE_GAP  # one side chose a token the float32 model ranks clearly lower
-    with pytest.raises(SystemExit, match="not a near-tie"):
-        common.require_equal_up_to_near_ties("tokens", ours, theirs, names, gap=lambda i, at: gaps[i, at])
-    with pytest.raises(SystemExit, match="FAIL tokens: 2/4 diverge"):  # too many, ties or not
-        common.require_equal_up_to_near_ties("tokens", ["ab", "cd", "e", "f"], ["ax", "cy", "e", "f"], names,
-                                             max_share=0.25)
-    with pytest.raises(SystemExit, match="no output"):
-        common.require_equal_up_to_near_ties("tokens", [[1]], [None], names)
+# -- judge.py: the verdict every engine-vs-peer benchmark ends with --------------------------------------
+def test_judge_float32_counts_identical_outputs_and_fails_on_any_difference(bench_modules):
+    judge = bench_modules("judge")
+    prompts = [[5], [6], [7]]
+    verdict = judge.judge("ids", "float32", [[1, 2], [3], [4]], [[1, 2], [3], [4]], prompts, ("a", "b"))
+    assert verdict.passed and (verdict.identical, verdict.near_tie, verdict.not_near_tie) == (3, 0, 0)
+    assert verdict.threshold is None  # float32 has no near-ties to allow
+
+    def refuse(queries):
+        raise AssertionError("float32 divergences are failures, not scored")
+
+    verdict = judge.judge("ids", "float32", [[1, 2], [3], [4]], [[1, 9], [3], None], prompts, ("a", "b"),
+                          ["r0", "r1", "r2"], score=refuse)
+    assert not verdict.passed
+    assert (verdict.identical, verdict.not_near_tie, verdict.missing) == (1, 1, ["r2"])
+    summary = verdict.summary()
+    assert summary.startswith("FAIL ids (float32, a vs b): 1/3 identical, 1 differ")
+    assert "r0: first difference at token 1: 2 vs 9" in summary
+    data = verdict.as_json()
+    assert data["passed"] is False and data["divergences"][0]["at"] == 1 and data["missing"] == ["r2"]
 
 
-def test_serve_compares_token_ids_or_decoded_text(bench_modules, tmp_path):
-    serve = bench_modules("serve")
-    done = lambda text, ids: serve.RequestResult(0.1, 0.01, 2, text, ids)  # noqa: E731
-    what, ours, theirs = serve.comparable([done("ab", [1, 2])], [done("xab", [1, 2])], str(tmp_path))
-    assert (what, ours, theirs) == ("greedy token ids", [[1, 2]], [[1, 2]])
+def test_judge_bfloat16_scores_each_first_divergence_after_its_common_prefix(bench_modules):
+    judge = bench_modules("judge")
+    seen = []
+    logprobs = {7: -1.0, 8: -1.0 - (judge.NEAR_TIE_LOGPROB - 0.01), 9: -1.0 - judge.NEAR_TIE_LOGPROB}
 
-    class Tokenizer:  # stands in for the checkpoint's: ids 1, 2 -> "a", "b"; 3 -> a lone byte
-        def decode(self, ids, skip_special_tokens):
-            return "".join({1: "a", 2: "b", 3: "\ufffd"}[i] for i in ids)
+    def score(queries):
+        seen.extend(queries)
+        return [logprobs[token] for _, token in queries]
 
-    import transformers
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Tokenizer())
-        what, ours, theirs = serve.comparable([done("ab", None), done("ab", None), None],
-                                              [done("garbage", [1, 2, 3]), done("", [2, 1]), done("a", [1])], "m")
-    assert what == "greedy completion text"
-    assert ours == ["ab", "ab", None] and theirs == ["ab", "ba", "a"]
-
-
-def test_serve_judges_bfloat16_divergences_by_float32_logits(bench_modules):
-    """Where both servers send token ids, a bfloat16 divergence is judged by a float32 model's logits."""
-    serve = bench_modules("serve")
-    args = serve.parse_args(["--url", "x", "--dtype", "bfloat16", "--concurrency", "1", "--min-requests", "2",
-                             "--mixed-range", "4", "4", "--input-len", "4", "--token-range", "5", "9"])
-    count = sum(level.requests for level in serve.levels(args))
-    logits = torch.zeros(10)
-    logits[3], logits[4] = 5.0, 4.5  # tokens 3 and 4 nearly tied, token 8 far below
-
-    def reference(ids):
-        return type("Output", (), {"logits": logits.expand(1, ids.shape[1], 10)})()
-
-    def run(outputs):
-        return [serve.RunResult("s", "w", 1, count, 1.0, 0, outputs=[serve.RequestResult(0.1, 0.01, 2, "", ids)
-                                                                      for ids in outputs])]
-
-    ours = [[1, 3]] * count
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(serve, "load_transformers", lambda path, dtype: reference)
-        verdict = serve.compare_outputs(run(ours), run([[1, 4]] + ours[1:]), "m", args)
-        assert f"1/{count} diverge" in verdict and "first difference at token 1, float32 logit gap 0.500" in verdict
-        with pytest.raises(SystemExit, match="not a near-tie"):
-            serve.compare_outputs(run(ours), run([[1, 8]] + ours[1:]), "m", args)
+    prompts = [[100, 101], [102], [103], [104]]
+    ours = [[1, 7, 3], [2, 2], [7, 7], [5]]
+    theirs = [[1, 8, 4], [2, 2], [7, 9], [5, 6]]
+    verdict = judge.judge("ids", "bfloat16", ours, theirs, prompts, ("a", "b"), score=score)
+    # The scorer saw prompt + common prefix, once with each side's token.
+    assert seen == [([100, 101, 1], 7), ([100, 101, 1], 8), ([103, 7], 7), ([103, 7], 9)]
+    assert (verdict.identical, verdict.near_tie, verdict.not_near_tie) == (1, 1, 2)
+    assert not verdict.passed  # a gap of exactly the threshold, and an output that ended early
+    gaps = {d.label: d.gap for d in verdict.divergences}
+    assert gaps["request 0"] == pytest.approx(judge.NEAR_TIE_LOGPROB - 0.01)
+    assert gaps["request 2"] == pytest.approx(judge.NEAR_TIE_LOGPROB) and gaps["request 3"] is None
+    near = judge.judge("ids", "bfloat16", ours[:2], theirs[:2], prompts[:2], ("a", "b"), score=score)
+    assert near.passed and near.as_json()["near_tie_threshold_logprob"] == judge.NEAR_TIE_LOGPROB
+    unscored = judge.judge("ids", "bfloat16", ours[:2], theirs[:2], prompts[:2], ("a", "b"))
+    assert not unscored.passed  # no float32 scorer: no divergence can be shown to be a near-tie
 
 
+def test_float32_scorer_is_kvsentry_float32_logprob_of_each_candidate(bench_modules, bench_llama):
+    """The scorer's logprobs against transformers' own float32 log-softmax after the same context."""
+    transformers = pytest.importorskip("transformers")
+    judge = bench_modules("judge")
+    contexts = [[5, 17, 300, 4000], [9] * 20 + [123, 456]]
+    queries = [(contexts[0], 11), (contexts[0], 31999), (contexts[1], 7)]
+    threads = torch.get_num_threads()
+    scorer = judge.Float32Scorer(str(bench_llama), max_model_len=256)
+    try:
+        got = scorer(queries)
+    finally:
+        scorer.close()
+        torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(bench_llama, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [torch.log_softmax(model(torch.tensor([c])).logits[0, -1].float(), -1)[t].item() for c, t in queries]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_near_tie_threshold_measures_the_shift_of_the_float32_top2_gap(bench_modules):
+    ntt = bench_modules("near_tie_threshold")
+    reference = [[None, {1: -0.5, 2: -1.5, 3: -4.0}, {4: -0.1, 5: -3.0}]]
+    other = [[None, {1: -0.9, 2: -0.7, 3: -4.0}, {4: -0.2, 6: -2.0}]]
+    moved, flips, unseen = ntt.shifts(reference, other, 1)
+    assert moved == pytest.approx([(-0.9 + 0.7) - (-0.5 + 1.5)])  # the gap 1.0 became -0.2: a flip
+    assert flips == pytest.approx([1.0]) and unseen == 1        # token 5 is not in the other's top
+    assert ntt.quantiles([0.1, -0.4, 0.2])["max"] == 0.4
+
+
+# -- results.py: where a result goes and what names it ---------------------------------------------
+def test_results_are_named_by_date_machine_and_commit(bench_modules, tmp_path):
+    results = bench_modules("results")
+    stamp = results.provenance()
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", stamp["date"]) and stamp["cores"] == os.cpu_count()
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?|unknown", stamp["commit"])
+    assert re.fullmatch(r"[a-z0-9-]+-\d+c", stamp["machine"])
+    path = results.result_path("serve-bfloat16", stamp)
+    assert path.parent == ROOT / "benchmarks" / "results"
+    assert path.name == f"serve-bfloat16_{stamp['date']}_{stamp['machine']}_{stamp['commit']}.json"
+    written = results.write_result("x", {"rows": [1]}, tmp_path / "x.json")
+    assert json.loads(written.read_text()) == {"provenance": json.loads(written.read_text())["provenance"],
+                                               "rows": [1]}
+
+
+# -- serve.py ---------------------------------------------------------------------------------------------
 def test_serve_levels_have_fresh_prompts_that_every_server_shares(bench_modules):
     serve = bench_modules("serve")
     args = serve.parse_args(["--url", "http://x", "--concurrency", "1,4", "--mixed-range", "16", "32"])
@@ -164,23 +203,113 @@ def test_serve_levels_have_fresh_prompts_that_every_server_shares(bench_modules)
     assert args.dtype == "float32" and serve.parse_args(["--url", "x", "--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
+def test_serve_judges_token_ids_and_a_server_without_them_fails(bench_modules):
+    serve = bench_modules("serve")
+    args = serve.parse_args(["--url", "x", "--dtype", "bfloat16", "--concurrency", "1", "--min-requests", "2",
+                             "--mixed-range", "4", "4", "--input-len", "4", "--token-range", "5", "9"])
+    count = sum(level.requests for level in serve.levels(args))
+    prompts = [p for level in serve.levels(args) for p in level.prompts((5, 9))]
+
+    def run(outputs):
+        return [serve.RunResult("s", "w", 1, count, 1.0, 0, outputs=[serve.RequestResult(0.1, 0.01, 2, "", ids)
+                                                                      for ids in outputs])]
+
+    ours = [[1, 3]] * count
+    scored = []
+
+    def score(queries):  # token 4 nearly ties token 3; token 8 is far below
+        scored.extend(queries)
+        return [{3: -1.0, 4: -1.2, 8: -6.0}[token] for _, token in queries]
+
+    verdict = serve.compare_outputs(run(ours), run([[1, 4]] + ours[1:]), args, score)
+    assert verdict.passed and (verdict.identical, verdict.near_tie) == (count - 1, 1)
+    assert scored == [(prompts[0] + [1], 3), (prompts[0] + [1], 4)]
+    assert not serve.compare_outputs(run(ours), run([[1, 8]] + ours[1:]), args, score).passed
+    no_ids = serve.compare_outputs(run(ours), run([None] * count), args, score)
+    assert not no_ids.passed and len(no_ids.missing) == count  # text alone is never compared
+
+
+def kvsentry_stand_in(serve, monkeypatch, peer_dtype: str | None = None) -> list[list[str]]:
+    """Start kvsentry where serve.py starts vLLM (the peer venv is absent in CI), and record every
+    server command line: the benchmark's own flow, servers, gate and JSON, end to end."""
+    servers = importlib.import_module("servers")
+    commands = []
+    real_popen = subprocess.Popen
+
+    def popen(argv, *args, **kwargs):
+        commands.append(list(argv))
+        return real_popen(argv, *args, **kwargs)
+
+    class StandIn(servers.KvsentryServer):
+        def __init__(self, model, args):
+            super().__init__(model, args if peer_dtype is None else argparse.Namespace(**{**vars(args),
+                                                                                           "dtype": peer_dtype}))
+
+    monkeypatch.setattr(servers.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve, "VllmServer", StandIn)
+    return commands
+
+
 @pytest.mark.slow
-def test_offline_benchmark_times_fresh_prompts_and_checks_tokens():
+def test_serve_end_to_end_fails_its_gate_and_still_writes_the_verdict(bench_modules, bench_llama, tmp_path,
+                                                                       monkeypatch):
+    """Both servers started by serve.py with prefix caching off, float32 judged; the peer serves
+    in bfloat16, so it computes something else: the gate fails (exit 1) after the comparison,
+    and the JSON is written with the failed verdict and each divergence. (The passing side of
+    the gate, and the near-tie judgement, are the unit tests above.)"""
+    serve = bench_modules("serve")
+    commands = kvsentry_stand_in(serve, monkeypatch, "bfloat16")
+    out = tmp_path / "serve.json"
+    code = serve.main(["--start-kvsentry", str(bench_llama), "--start-vllm", str(bench_llama), "--concurrency", "2",
+                       "--min-requests", "2", "--requests-per-client", "1", "--input-len", "8",
+                       "--mixed-range", "4", "12", "--output-len", "6", "--json", str(out)])
+    result = json.loads(out.read_text())
+    verdict = result["verdict"]
+    assert result["provenance"]["commit"] and result["errors"] == 0 and len(result["rows"]) == 4
+    assert [r["workload"] for r in result["ratios"]] == ["fixed-8", "mixed-4..12"]
+    started = [argv for argv in commands if "serve" in argv]
+    assert len(started) == 4 and all("--no-enable-prefix-caching" in argv for argv in started)
+    assert sum("bfloat16" in argv for argv in started) == 2  # the peer's two starts
+    assert verdict["requests"] == 4 and verdict["dtype"] == "float32"
+    assert code == 1 and not verdict["passed"] and verdict["not_near_tie"] >= 1
+    assert verdict["identical"] + verdict["not_near_tie"] == 4 and verdict["divergences"]
+
+
+# -- the other benchmarks' results ------------------------------------------------------------------
+@pytest.mark.slow
+def test_offline_benchmark_times_fresh_prompts_and_writes_its_verdict(tmp_path):
+    out = tmp_path / "offline.json"
     proc = subprocess.run([sys.executable, str(BENCH_DIR / "offline_throughput.py"), "--threads", "1",
-                           "--requests", "2", "--prompt-len", "16", "--new-tokens", "3", "--repeats", "2"],
+                           "--requests", "2", "--prompt-len", "16", "--new-tokens", "3", "--repeats", "2",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "prefix-cache hits in the timed runs: 0 tokens" in proc.stdout
-    assert "greedy tokens: outputs identical for 4/4 (kvsentry vs transformers)" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["prefix_cache_hit_tokens"] == 0
+    assert result["verdict"]["passed"] and result["verdict"]["identical"] == 4
+    assert result["verdict"]["engines"] == ["kvsentry", "transformers"]
+
+
+def test_sentinel_overhead_writes_every_mode_and_the_token_check(tmp_path):
+    out = tmp_path / "sentinel.json"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "sentinel_overhead.py"), "--requests", "2",
+                           "--prompt-len", "8", "--new-tokens", "2", "--rounds", "1", "--kv-cache-memory", "64MiB",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [row["mode"] for row in result["rows"]] == ["off", "null-block", "rolling", "full"]
+    assert all(row["tok_s"] > 0 for row in result["rows"])
+    assert result["verdict"]["passed"] and set(result["verdict"]["tokens_vs_off"]) == {"null-block", "rolling",
+                                                                                        "full"}
 
 
 def test_offline_vllm_worker_generates_and_main_asks_for_the_peer(bench_modules, tmp_path, monkeypatch):
     """benchmarks/offline_vllm.py: its kvsentry worker (vLLM's needs the peer venv, absent in CI)
     warms up, times one generate of the prompts and returns every token; without the peer's venv
     the benchmark stops before loading anything and says how to install it."""
-    import torch
-
     from service.demo.checkpoint import write_preset
     offline = bench_modules("offline_vllm")
     write_preset(tmp_path / "m", "bench-llama")
@@ -260,59 +389,33 @@ def test_gpu_check_names_a_missing_module_before_building(tmp_path):
     assert not (tmp_path / "out" / "build.log").exists()
 
 
-def heredoc_program(marker: str) -> str:
-    """A program gpu_check.sh writes from its heredoc `marker` and runs."""
-    text = SCRIPT.read_text()
-    start = text.index(f"<<'{marker}'\n") + len(f"<<'{marker}'\n")
-    return text[start:text.index(f"\n{marker}\n", start)]
-
-
-def dp2_placement_program() -> str:
-    """The DP=2 placement check gpu_check.sh runs with 2+ GPUs."""
-    return heredoc_program("DP2_EOF")
-
-
-def test_gpu_check_runs_placement_only_with_two_gpus_and_one_gpu_is_no_failure():
-    text = SCRIPT.read_text()
-    assert 'if [ "${GPUS:-0}" -ge 2 ]; then' in text
-    assert 'cat > "$OUT_DIR/dp2_placement.py" <<\'DP2_EOF\'' in text
-    assert '"$PY" "$OUT_DIR/dp2_placement.py" cuda' in text
-    assert '"placement SKIPPED (1 GPU)"' in text and "for step in build tests graphs bandwidth placement" in text
-
-
 @no_cuda
-def test_gpu_check_dp2_placement_program_runs_on_cpu(tmp_path):
-    """The same program with "cpu": DP=2 CPU ranks vs the DP=1 CPU engine, so a GPU run only
-    adds the device: rank l on cuda:l, NCCL, and the memory each rank took on its own GPU."""
-    program = tmp_path / "dp2_placement.py"
-    program.write_text(dp2_placement_program())
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(program), "cpu"], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "PASS: DP=2 placement check" in proc.stdout
-
-
-def test_gpu_check_runs_the_cuda_graphs_program_after_the_tests():
-    text = SCRIPT.read_text()
-    assert 'cat > "$OUT_DIR/cuda_graphs_check.py" <<\'GRAPHS_EOF\'' in text
-    assert '"$PY" "$OUT_DIR/cuda_graphs_check.py" cuda' in text
-    assert text.index("run_step tests") < text.index("run_step graphs") < text.index("run_step bandwidth")
-    assert 'STATUS[graphs]="SKIPPED (no build)"' in text
-
-
-@no_cuda
-def test_gpu_check_cuda_graphs_program_runs_on_cpu(tmp_path):
-    """The CUDA graphs program with "cpu" (fewer dummy batches and decode steps): the graphs'
-    fixed-shape forward run eagerly over the same buffers against the CPU engine, the dummy loop
-    with the null-block check, and the decode-rate lines, so a GPU run only adds the graphs."""
-    program = tmp_path / "cuda_graphs_check.py"
-    program.write_text(heredoc_program("GRAPHS_EOF"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(program), "cpu", "24", "3"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "greedy tokens, cpu graphs: identical to cpu eager" in proc.stdout
-    assert "24 dummy batches through the graphs, null block checked after each: null block zero" in proc.stdout
-    assert all(f"decode tokens/s at batch {batch:>2} on cpu: graphs" in proc.stdout for batch in (1, 8, 32))
-    assert "PASS: CUDA graphs check on cpu" in proc.stdout
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_rehearsal_runs_every_step_on_the_cpu(tmp_path):
+    """scripts/gpu_check.sh --rehearse-on-cpu: every step in order through the same runner and
+    summary, each step's CPU counterpart for real -- the op library, the GPU tests collected, the
+    CUDA graphs program (graphs' forward eagerly over the same buffers, the null block checked
+    after every dummy batch), the bandwidth benchmark's kernel path, the DP=2 placement program
+    on CPU ranks -- so a GPU run only adds the device."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "KVSENTRY_WHEELS": str(tmp_path / "no-wheels"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(SCRIPT), "--rehearse-on-cpu"], capture_output=True, text=True, timeout=900, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    steps = ["build", "tests", "graphs", "bandwidth", "placement"]
+    headers = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("=== ")]
+    assert headers == ["environment", *steps, "summary"]
+    summary = proc.stdout[proc.stdout.index("=== summary"):]
+    for step in steps:
+        assert re.search(rf"^  {step} +PASS ", summary, re.M), summary
+    assert re.search(r"tests: +\d+ tests collected", summary)
+    graphs = (out / "graphs.log").read_text()
+    assert "greedy tokens, cpu graphs: identical to cpu eager" in graphs
+    assert "24 dummy batches through the graphs, null block checked after each: null block zero" in graphs
+    assert "PASS: CUDA graphs check on cpu" in graphs
+    assert "PASS: DP=2 placement check" in (out / "placement.log").read_text()
+    rows = json.loads((out / "bandwidth.json").read_text())["rows"]
+    assert {r["op"] for r in rows} >= {"reshape_and_cache_flash", "concat_and_cache_mla fp8"}
+    assert "REHEARSAL on the CPU: every step ran" in summary
