@@ -59,20 +59,20 @@ def _max_logprobs(text: str) -> int:
     return value
 
 
-def _generation_config(text: str) -> str:
-    if text != "vllm":
-        raise argparse.ArgumentTypeError(
-            "only 'vllm' is supported: kvsentry's sampling defaults are vLLM's own (temperature 1, top_p 1, "
-            "...) and it reads none from generation_config.json; send the checkpoint's values per request")
-    return text
+def _only(value: str, why: str):
+    """An argparse type that takes `value` alone and refuses anything else, saying `why`."""
+    def check(text: str) -> str:
+        if text != value:
+            raise argparse.ArgumentTypeError(why)
+        return text
+    return check
 
 
-def _quantization(text: str) -> str:
-    if text != "gguf":
-        raise argparse.ArgumentTypeError(
-            "kvsentry reads quantized weights from GGUF files (the .gguf's own types): serve the .gguf "
-            "file (--quantization gguf, or no flag)")
-    return text
+_generation_config = _only("vllm", "only 'vllm' is supported: kvsentry's sampling defaults are vLLM's own "
+                                   "(temperature 1, top_p 1, ...) and it reads none from generation_config.json; "
+                                   "send the checkpoint's values per request")
+_quantization = _only("gguf", "kvsentry reads quantized weights from GGUF files (the .gguf's own types): serve "
+                              "the .gguf file (--quantization gguf, or no flag)")
 
 
 def read_chat_template(value: str) -> str:

@@ -276,30 +276,28 @@ def test_serve_end_to_end_fails_its_gate_and_still_writes_the_verdict(bench_modu
 
 
 # -- the other benchmarks' results ------------------------------------------------------------------
-@pytest.mark.slow
-def test_offline_benchmark_times_fresh_prompts_and_writes_its_verdict(tmp_path):
-    out = tmp_path / "offline.json"
-    proc = subprocess.run([sys.executable, str(BENCH_DIR / "offline_throughput.py"), "--threads", "1",
-                           "--requests", "2", "--prompt-len", "16", "--new-tokens", "3", "--repeats", "2",
-                           "--json", str(out)],
+def _run_benchmark(tmp_path, script: str, *args: str) -> dict:
+    """Run benchmarks/`script` with `args` as a user would; it must exit 0. Returns its JSON."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / script), *args, "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_offline_benchmark_times_fresh_prompts_and_writes_its_verdict(tmp_path):
+    result = _run_benchmark(tmp_path, "offline_throughput.py", "--threads", "1", "--requests", "2",
+                            "--prompt-len", "16", "--new-tokens", "3", "--repeats", "2")
     assert result["prefix_cache_hit_tokens"] == 0
     assert result["verdict"]["passed"] and result["verdict"]["identical"] == 4
     assert result["verdict"]["engines"] == ["kvsentry", "transformers"]
 
 
 def test_sentinel_overhead_writes_every_mode_and_the_token_check(tmp_path):
-    out = tmp_path / "sentinel.json"
-    proc = subprocess.run([sys.executable, str(BENCH_DIR / "sentinel_overhead.py"), "--requests", "2",
-                           "--prompt-len", "8", "--new-tokens", "2", "--rounds", "1", "--kv-cache-memory", "64MiB",
-                           "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+    result = _run_benchmark(tmp_path, "sentinel_overhead.py", "--requests", "2", "--prompt-len", "8",
+                            "--new-tokens", "2", "--rounds", "1", "--kv-cache-memory", "64MiB")
     assert [row["mode"] for row in result["rows"]] == ["off", "null-block", "rolling", "full"]
     assert all(row["tok_s"] > 0 for row in result["rows"])
     assert result["verdict"]["passed"] and set(result["verdict"]["tokens_vs_off"]) == {"null-block", "rolling",
