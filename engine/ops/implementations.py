@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from engine.ops import registry
-from engine.ops.registry import TORCH_REFERENCE  # noqa: F401  (re-exported: the usual fallback's label)
 
 CUDA_GRAPHS = "cuda_graphs"
 GRAPHS_ON = "on"

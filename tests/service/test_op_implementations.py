@@ -8,7 +8,8 @@ import msgspec
 
 from engine.messages import RankReady
 from engine.ops import registry
-from engine.ops.implementations import TORCH_REFERENCE, describe, falling_back, graphs_entry, op_implementations
+from engine.ops.implementations import describe, falling_back, graphs_entry, op_implementations
+from engine.ops.registry import TORCH_REFERENCE
 from service.metrics import Metrics
 
 METRIC = "kvsentry_op_implementation_info"
