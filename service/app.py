@@ -24,6 +24,7 @@ from service.protocol import ErrorResponse
 from service.protocol_routes import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, StatusResponse,
                                      TokenizeRequest, TokenizeResponse, VersionResponse)
 from service.responses import ERROR_RESPONSES
+from service.responses_api.route import install as install_responses_api
 from service.state import AppState
 
 _UNAVAILABLE = {503: {"model": ErrorResponse, "description": "Not healthy / not ready (reason in message)"}}
@@ -45,6 +46,7 @@ def build_app(state: AppState) -> FastAPI:
     app.add_middleware(FrontDoor, state=state)
     app.include_router(completions_router)
     app.include_router(chat_router)
+    install_responses_api(app, state)
     if state.settings.enable_fault_injection:
         app.include_router(faults_router)
 

@@ -36,6 +36,13 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _add_engine_flag(group, arg: EngineArg) -> None:
     default = arg.default
     if isinstance(default, bool):
@@ -91,6 +98,9 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                       help="return the model's <think>...</think> as message.reasoning_content (deepseek_r1: "
                            "DeepSeek-R1, QwQ); content holds the answer only")
+    http.add_argument("--responses-store-size", type=_non_negative, default=SETTINGS_DEFAULTS["responses_store_size"],
+                      help="responses /v1/responses keeps in memory for previous_response_id and GET "
+                           "/v1/responses/{id}, the least recently used dropped first; 0 keeps none")
     http.add_argument("--enable-fault-injection", action="store_true",
                       help="mount POST /debug/faults (poison the KV cache on purpose, to test alerting); "
                            "without it the route does not exist")
@@ -175,7 +185,7 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
-        uvicorn_log_level=args.uvicorn_log_level)
+        uvicorn_log_level=args.uvicorn_log_level, responses_store_size=args.responses_store_size)
     return run(config, AsyncEngineClient(config), settings, args.host, args.port)
 
 

@@ -23,8 +23,8 @@ from service.state import AppState
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc"})
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-                    "/debug/faults"}) | OPEN_PATHS
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+                    "/debug/faults"}) | OPEN_PATHS | {"/v1/responses"}
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"}) | {"/v1/responses"}
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 _JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNORECASE)

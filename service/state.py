@@ -57,6 +57,7 @@ class ServeSettings:
     max_logprobs: int = 20               # --max-logprobs: the most logprobs a request may ask for
     log_requests: bool = True            # the per-request log line at info (--disable-log-requests: debug)
     uvicorn_log_level: str | None = None  # uvicorn's own loggers; None: left as they are
+    responses_store_size: int = 1000     # --responses-store-size: responses kept for previous_response_id
 
 
 class AppState:
