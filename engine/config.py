@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 NAN_SENTINEL_MODES = ("off", "null-block", "rolling", "full")  # what the KV cache scan covers
 NAN_POLICIES = ("count", "heal", "fail")  # what a NaN (or a checksum mismatch) found in the cache triggers
 KV_CHECKSUM_MODES = ("off", "rolling", "full")  # which sealed blocks are re-verified each step
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the order requests are admitted and preempted in
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -229,6 +230,10 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     enforce_eager: bool = False  # no CUDA graphs, no fused CPU layer stack: every op runs from Python
     cuda_graph_check_null_block: bool = False  # debug: verify block 0 is zero after every dummy replay
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES (engine/core/request_queue.py)
+    # priority policy: a request's effective priority improves by one level every this many
+    # scheduler steps it has spent on the rank, which bounds starvation; 0: no aging.
+    priority_aging_steps: int = 256
 
     @property
     def lockstep(self) -> bool:
@@ -285,6 +290,10 @@ class EngineConfig:
             raise ValueError(f"kv_checksums: must be one of {', '.join(KV_CHECKSUM_MODES)}")
         if kwargs.get("kv_checksum_blocks_per_step", cls.kv_checksum_blocks_per_step) < 1:
             raise ValueError("kv_checksum_blocks_per_step: must be >= 1")
+        if kwargs.get("scheduling_policy", cls.scheduling_policy) not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if kwargs.get("priority_aging_steps", cls.priority_aging_steps) < 0:
+            raise ValueError("priority_aging_steps: must be >= 0 (0: no aging)")
         if num_gpu_blocks is None:
             per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
                          * model_config.num_layers)

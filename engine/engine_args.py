@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
+from engine.config import SCHEDULING_POLICIES
 
 
 def config_default(name: str) -> Any:
@@ -122,4 +123,10 @@ ENGINE_ARGS = (
     EngineArg("cuda_graph_check_null_block", "debug: after every dummy batch replayed through a CUDA graph, "
               "verify the null block is bitwise zero on every layer (one host sync) and stop if not",
               group="CUDA graphs"),
+    EngineArg("scheduling_policy", "order of admission and preemption on each rank: fcfs (arrival), or "
+              "priority (the request's `priority`, lower first, then arrival; the lowest is preempted first)",
+              group="scheduling", choices=SCHEDULING_POLICIES),
+    EngineArg("priority_aging_steps", "priority policy: a waiting request's effective priority improves by one "
+              "level every N scheduler steps, so a request of priority p is never overtaken by one of priority q "
+              "arriving more than (p - q) * N steps after it (0: no aging)", group="scheduling"),
 )

@@ -17,6 +17,7 @@ class EngineRequest(msgspec.Struct, tag=True):
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     wave: int = 0
+    priority: int = 0  # lower runs first; anything but 0 needs --scheduling-policy priority
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_id: int | None, arrival_time: float,
-                 wait_for: "Request | None" = None):
+                 wait_for: "Request | None" = None, priority: int = 0):
         self.request_id = request_id            # the client's id (shared by n > 1 samples)
         self.index = index                      # which sample
         self.key = f"{request_id}#{index}"      # unique inside the engine
@@ -50,6 +50,7 @@ class Request:
         self.wait_for = wait_for
         self.grammar = None  # RequestGrammar (engine/structured/grammar.py) when the output is constrained
         self.generator: torch.Generator | None = None
+        self.priority = priority  # lower runs first under --scheduling-policy priority (engine/core/request_queue.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
 

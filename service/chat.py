@@ -50,7 +50,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
                             logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, param="messages",
                             structured=structured)
-    gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params)
+    gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params, body.priority)
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created, plan, reasoning), on_close=gen.close_stream)

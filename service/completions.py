@@ -73,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     structured = request_grammar(state, body)
     params = request_params(state, body, prompts, max_tokens=body.max_tokens, logprobs=body.logprobs,
                             prompt_logprobs=engine_prompt_logprobs(body), structured=structured)
-    gen = start_generation(state, request, "cmpl", ROUTE, prompts, params)
+    gen = start_generation(state, request, "cmpl", ROUTE, prompts, params, body.priority)
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)

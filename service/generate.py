@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.core.validation import validate_api_request, validate_prompt
+from engine.core.validation import validate_api_request, validate_priority, validate_prompt
 from engine.frontend.output_processor import RequestState
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -78,7 +78,8 @@ def request_params(state: AppState, req: SamplingFields, prompts: list[PromptInp
 
 class Generation:
     def __init__(self, state: AppState, request_id: str, route: str, prompts: list[PromptInput],
-                 params: SamplingParams, client_request_id: str, scope_state: dict | None = None):
+                 params: SamplingParams, client_request_id: str, scope_state: dict | None = None,
+                 priority: int = 0):
         self.state = state
         self.request_id = request_id
         self.route = route
@@ -86,6 +87,7 @@ class Generation:
         self.params = params
         self.client_request_id = client_request_id
         self.scope_state = scope_state if scope_state is not None else {}  # "logged" tells the middleware
+        self.priority = priority  # the ranks' scheduling priority (--scheduling-policy priority)
         suffix = uuid.uuid4().hex[:8]
         self.engine_ids = [f"{request_id}-{i}-{suffix}" for i in range(len(prompts))]
         self.states = [RequestState(eid, p.token_ids, params, state.tokenizer)
@@ -108,7 +110,8 @@ class Generation:
         try:
             for i, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts)):
                 request = EngineRequest(engine_id, prompt.token_ids, self.params,
-                                        eos_token_id=state.tokenizer.eos_token_id, arrival_time=time.time())
+                                        eos_token_id=state.tokenizer.eos_token_id, arrival_time=time.time(),
+                                        priority=self.priority)
                 queue = state.client.add_request(request)
                 self._submitted.append(engine_id)
                 self._queues.append(queue)
@@ -289,11 +292,15 @@ async def complete(request, generation: Generation) -> bool:
 
 
 def start_generation(state: AppState, request, prefix: str, route: str, prompts: list[PromptInput],
-                     params) -> Generation:
+                     params, priority: int = 0) -> Generation:
     """Submit a validated request under a fresh id ("cmpl-…", "chatcmpl-…"), honouring X-Request-Id."""
+    try:
+        validate_priority(state.config, priority)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
     client_id = responses.client_request_id(request)
     generation = Generation(state, new_request_id(prefix, client_id), route, prompts, params, client_id,
-                            request.scope.get("state"))
+                            request.scope.get("state"), priority)
     generation.submit()
     return generation
 

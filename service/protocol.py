@@ -189,6 +189,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: Unsupported = None
     best_of: Annotated[int | None, AfterValidator(_refuse_best_of)] = None
+    priority: int = 0  # vLLM's: lower is scheduled first; not 0 needs --scheduling-policy priority
 
 
 class CompletionLogprobs(BaseModel):
@@ -317,6 +318,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None  # RAG templates' `documents` variable
     add_special_tokens: bool = False  # BOS etc. on top of what the template writes
+    priority: int = 0  # vLLM's: lower is scheduled first; not 0 needs --scheduling-policy priority
 
 
 class TopLogprob(BaseModel):

@@ -5,14 +5,18 @@ the tokens it still needs (a whole prompt, a prompt chunk, or the one token
 sampled last step) within the token and sequence budgets, FCFS. When blocks run
 out the newest running request is preempted (its blocks freed, recomputed
 later from the front of the queue).
+
+Under --scheduling-policy priority the queue and the running list are ordered by
+priority instead (engine/core/request_queue.py): "front" and "newest" read as
+"best" and "lowest" in that order.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request_queue import make_request_queue
 from engine.request import Request, RequestStatus, SchedulerOutput
 
 
@@ -20,7 +24,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(config)  # also orders `running`: its last is preempted first
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -31,10 +35,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.key] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.waiting.step()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
         scheduled_running: list[Request] = []
@@ -63,9 +68,9 @@ class Scheduler:
         if not out.preempted:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting.peek()
                 if not request.ready:
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(self.waiting.pop())
                     continue
                 computed = (self.kv.get_computed_blocks(request)
                             if request.num_computed_tokens == 0 and request.params.prompt_logprobs is None else [])
@@ -73,7 +78,7 @@ class Scheduler:
                 num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_new, computed):
                     break
-                self.waiting.popleft()
+                self.waiting.pop()
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
                 if self.config.enable_prefix_caching and request.params.prompt_logprobs is None:
@@ -81,10 +86,10 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_at is None:
                     request.first_scheduled_at = time.monotonic()
-                self.running.append(request)
+                self.waiting.place_running(self.running, request)
                 out.scheduled.append((request, num_new))
                 budget -= num_new
-            self.waiting.extendleft(reversed(skipped))
+            self.waiting.restore(skipped)
         # One-token (decode) requests first: attention batches that leading run in one call.
         out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
@@ -93,7 +98,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
         self.num_preemptions += 1
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
@@ -105,10 +110,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            self.waiting.discard(request)
+        self.waiting.forget(request)
         self.kv.free(request)
         self.requests.pop(request.key, None)
 

@@ -35,8 +35,24 @@ def validate_prompt(config: EngineConfig, token_ids: Sequence[int], field: str =
                                     f"context length is {limit} tokens (max_model_len)", "context_length_exceeded")
 
 
+# A request's priority fits in 32 bits (vLLM sets no bound): the ranks' typed messages carry it
+# as an integer, and the priority policy multiplies it by --priority-aging-steps.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
+def validate_priority(config: EngineConfig, priority: int) -> None:
+    """A priority other than 0 needs --scheduling-policy priority (vLLM refuses it under fcfs too)."""
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InvalidRequest("priority", f"must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority}")
+    if priority != 0 and config.scheduling_policy != "priority":
+        raise InvalidRequest("priority", f"this server runs the {config.scheduling_policy} scheduling policy, so "
+                                         f"priority must be 0 (got {priority}); priority scheduling needs "
+                                         "--scheduling-policy priority")
+
+
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:
     validate_prompt(config, request.prompt_token_ids)
+    validate_priority(config, request.priority)
 
 
 def validate_api_request(config: EngineConfig, num_prompt_tokens: int, params: SamplingParams) -> None:

@@ -56,7 +56,8 @@ class EngineCore:
         first = None
         for index in range(request.params.n):
             r = Request(request.request_id, index, request.prompt_token_ids, request.params,
-                        request.eos_token_id, request.arrival_time or time.time(), wait_for=first)
+                        request.eos_token_id, request.arrival_time or time.time(), wait_for=first,
+                        priority=request.priority)
             r.eos_token_ids = self._eos_ids | ({request.eos_token_id} - {None})
             if request.params.structured_outputs is not None:  # one matcher per sample
                 r.grammar = self.grammar_compiler().matcher(request.params.structured_outputs)

@@ -52,11 +52,15 @@ def path(checkpoint):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=actions, seed=st.integers(0, 2**16), prefix=st.booleans(), random_dummy=st.booleans())
-def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy, monkeypatch):
+@given(plan=actions, seed=st.integers(0, 2**16), prefix=st.booleans(), random_dummy=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy, policy, monkeypatch):
+    # Under the priority policy requests get random priorities (aging every 3 steps): admission
+    # and preemption then take requests from the middle of the arrival order.
     config = EngineConfig.create(path, max_model_len=128, block_size=BLOCK, num_gpu_blocks=24,
                                  max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=prefix,
-                                 dummy_batch_random_inputs=random_dummy, kv_checksums="full")
+                                 dummy_batch_random_inputs=random_dummy, kv_checksums="full",
+                                 scheduling_policy=policy, priority_aging_steps=3)
     core = EngineCore(config)
     written: list[torch.Tensor] = []
     real_write, real_layers = llama_module.write_kv, cpu_ops.dense_decoder_layers
@@ -106,8 +110,10 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
             rid = f"r{len(ids)}"
             ids.append(rid)
             n = 2 if a % 5 == 0 else 1  # n > 1: the samples share the prompt's blocks
+            priority = rng.randrange(-2, 3) if policy == "priority" else 0
             core.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=b, ignore_eos=True, n=n,
-                                                                        temperature=0.0 if n == 1 else 1.0)))
+                                                                        temperature=0.0 if n == 1 else 1.0),
+                                           priority=priority))
         elif kind == "step":
             for _ in range(a):
                 if core.has_unfinished:
