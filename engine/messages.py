@@ -27,6 +27,16 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     rank: int | None = None  # the token's place in the vocabulary by logprob, 1 = the best
 
 
+class RequestTiming(msgspec.Struct, array_like=True):
+    """A sample's times on the rank that served it, sent with its finishing output (traces read
+    them). Seconds since the sample reached the rank, on that rank's monotonic clock; None when
+    the sample never got that far (aborted while waiting)."""
+    rank: int
+    scheduled: float | None = None    # first scheduled: the time it queued
+    first_token: float | None = None  # its first token sampled
+    last_token: float | None = None   # its last token sampled
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True):
     request_id: str           # the id the client used (n > 1 children share it)
     index: int                # which of the n samples
@@ -37,6 +47,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # on a sample's first output: rank arrival -> first scheduled
+    timing: RequestTiming | None = None  # on a sample's finishing output
 
 
 class Abort(msgspec.Struct, tag=True):

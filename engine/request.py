@@ -44,6 +44,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.added_at = time.monotonic()          # arrival at this rank
         self.first_scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Sibling samples (n > 1) wait until the first one's prompt is cached, then share it.
@@ -53,6 +55,13 @@ class Request:
         self.priority = priority  # lower runs first under --scheduling-policy priority (engine/core/request_queue.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
+
+    def record_token(self) -> None:
+        """Stamp a sampled token's time (traces report prefill and decode from these)."""
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
 
     @property
     def num_prompt_tokens(self) -> int:

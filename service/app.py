@@ -15,6 +15,7 @@ from service import __version__
 from service.chat_render import render_chat
 from service.chat import router as chat_router
 from service.completions import router as completions_router
+from service.cors import install_cors
 from service.errors import bad_request, error_response, install_error_handlers
 from service.faults import router as faults_router
 from service.generate import encode
@@ -44,6 +45,7 @@ def build_app(state: AppState) -> FastAPI:
     app.state.kvsentry = state
     install_error_handlers(app)
     app.add_middleware(FrontDoor, state=state)
+    install_cors(app, state.settings)  # outermost: preflights are answered before the API key check
     app.include_router(completions_router)
     app.include_router(chat_router)
     install_responses_api(app, state)

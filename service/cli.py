@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.engine_args import ENGINE_ARGS, EngineArg
 from engine.gguf.default_model import DEFAULT_MODEL_NAME, default_model_path
 from service.demo import DEFAULT_DEMO_DP, DEMOS, default_demo_path
+from service.http_flags import add_http_feature_flags, check_http_feature_flags, http_feature_settings
 from service.state import ServeSettings
 from service.reasoning import REASONING_PARSERS
 from service.tools import TOOL_CALL_PARSERS
@@ -104,6 +105,7 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--enable-fault-injection", action="store_true",
                       help="mount POST /debug/faults (poison the KV cache on purpose, to test alerting); "
                            "without it the route does not exist")
+    add_http_feature_flags(http)
 
     groups = {name: serve.add_argument_group(name) for name in dict.fromkeys(arg.group for arg in ENGINE_ARGS)}
     for arg in ENGINE_ARGS:
@@ -142,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "serve":
         check_vllm_flags(subcommand(parser, "serve"), args)
+        check_http_feature_flags(subcommand(parser, "serve"), args)
     if args.command == "serve" and args.demo is not None and args.model is not None:
         parser.error("serve: give MODEL or --demo, not both")
     if args.command == "serve" and args.demo is not None:
@@ -185,7 +188,8 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
-        uvicorn_log_level=args.uvicorn_log_level, responses_store_size=args.responses_store_size)
+        uvicorn_log_level=args.uvicorn_log_level, responses_store_size=args.responses_store_size,
+        **http_feature_settings(args))
     return run(config, AsyncEngineClient(config), settings, args.host, args.port)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.core.validation import validate_api_request, validate_priority, validate_prompt
 from engine.frontend.output_processor import RequestState
-from engine.messages import EngineRequest
+from engine.messages import EngineRequest, RequestTiming
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutputs
 from service import responses
@@ -27,6 +27,7 @@ from service.sse import event
 from service.state import AppState
 
 logger = logging.getLogger("kvsentry.request")
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")  # W3C trace context, continued by --otlp-traces-endpoint
 
 
 class EngineFailed(Exception):
@@ -102,6 +103,8 @@ class Generation:
         self._last_token: dict[tuple[int, int], float] = {}
         self._closed = False
         self.outcome = "ok"
+        self.timings: list[RequestTiming] = []  # each sample's times on its rank, as samples finish
+        self.trace_carrier: dict[str, str] = {}  # the client's W3C trace context (only read when tracing)
 
     # -- submission ---------------------------------------------------------------------------------
     def submit(self) -> None:
@@ -166,6 +169,8 @@ class Generation:
             # Measured by the rank: arrival there -> first scheduled (excludes prefill time).
             self._first_output[index] = True
             series.queue_time.observe(out.queue_seconds)
+        if out.timing is not None:
+            self.timings.append(out.timing)
         if not out.new_token_ids:
             return
         series.generation_tokens.inc(len(out.new_token_ids))
@@ -227,9 +232,16 @@ class Generation:
             fields["prompts_text"] = [p.text if p.text is not None else p.token_ids for p in self.prompts]
         log_event(logger, "request", logging.INFO if self.state.settings.log_requests else logging.DEBUG, **fields)
         self.scope_state["logged"] = True
+        if self.state.tracer is not None:
+            self.state.tracer.record(self)
 
     def close_stream(self) -> None:
         self.close(None if self.finished else "client_disconnected")
+
+    @property
+    def first_token_at(self) -> float | None:
+        """When the front end got the request's first token (monotonic), as the TTFT histogram sees it."""
+        return self._first_token
 
     @property
     def prompt_tokens(self) -> int:
@@ -301,6 +313,9 @@ def start_generation(state: AppState, request, prefix: str, route: str, prompts:
     client_id = responses.client_request_id(request)
     generation = Generation(state, new_request_id(prefix, client_id), route, prompts, params, client_id,
                             request.scope.get("state"), priority)
+    if state.tracer is not None:
+        generation.trace_carrier = {name: value for name in TRACE_CONTEXT_HEADERS
+                                    if (value := request.headers.get(name))}
     generation.submit()
     return generation
 

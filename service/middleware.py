@@ -83,7 +83,10 @@ class FrontDoor:
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple | None:
         key = self.state.settings.api_key
-        if key and scope.get("path") not in OPEN_PATHS:
+        # A CORS preflight never carries credentials: without --allowed-origins it gets the route's
+        # own answer (405), never 401. With it, CORSMiddleware answers preflights before this runs.
+        preflight = scope.get("method") == "OPTIONS" and "access-control-request-method" in headers
+        if key and scope.get("path") not in OPEN_PATHS and not preflight:
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")

@@ -58,6 +58,11 @@ class ServeSettings:
     log_requests: bool = True            # the per-request log line at info (--disable-log-requests: debug)
     uvicorn_log_level: str | None = None  # uvicorn's own loggers; None: left as they are
     responses_store_size: int = 1000     # --responses-store-size: responses kept for previous_response_id
+    allowed_origins: tuple[str, ...] | None = None  # --allowed-origins: CORS answers only when set
+    allowed_methods: tuple[str, ...] = ("*",)       # --allowed-methods (CORS)
+    allowed_headers: tuple[str, ...] = ("*",)       # --allowed-headers (CORS)
+    allow_credentials: bool = False                 # --allow-credentials (CORS)
+    otlp_traces_endpoint: str | None = None         # --otlp-traces-endpoint: a span per request when set
 
 
 class AppState:
@@ -85,6 +90,10 @@ class AppState:
         self.on_fatal: Callable[[str], None] = lambda reason: None
         self._fatal_reported = False
         self._tasks: set[asyncio.Task] = set()
+        self.tracer = None  # service/tracing.py's RequestTracer; imported only when tracing is on
+        if settings.otlp_traces_endpoint:
+            from service.tracing import RequestTracer
+            self.tracer = RequestTracer(settings.otlp_traces_endpoint, self.model_name)
 
     @property
     def model_name(self) -> str:
@@ -107,6 +116,8 @@ class AppState:
             await self.client.shutdown()
         except Exception as exc:  # e.g. it never started; the process is exiting either way
             log_event(logger, "engine_shutdown_failed", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # the spans still queued go out before exit
 
     async def _start_client(self) -> None:
         if self.client.ready:

@@ -17,7 +17,7 @@ from engine.core.validation import validate_request
 from engine.engine_core.stop import finish_after
 from engine.integrity.unit import CacheIntegrity
 from engine.memory import host_memory
-from engine.messages import EngineCoreOutput, EngineRequest, StepStats
+from engine.messages import EngineCoreOutput, EngineRequest, RequestTiming, StepStats
 from engine.request import Request, SchedulerOutput
 from engine.structured.grammar import GrammarCompiler, compiler_for_model
 from engine.worker.kv_cache import block_axis
@@ -68,7 +68,7 @@ class EngineCore:
         for request_id in request_ids:
             for request in self.scheduler.abort(request_id, index):
                 self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
-                                                      finish_reason="abort"))
+                                                      finish_reason="abort", timing=self._timing(request)))
 
     def take_pending(self) -> list[EngineCoreOutput]:
         outputs, self._pending = self._pending, []
@@ -129,7 +129,8 @@ class EngineCore:
             for request in readers:
                 self.scheduler.finish(request, "error", reason)
                 self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
-                                                      finish_reason="error", stop_reason=reason))
+                                                      finish_reason="error", stop_reason=reason,
+                                                      timing=self._timing(request)))
             pool.drop_from_cache(block)
             self.integrity.quarantined(block, len(readers))
 
@@ -153,6 +154,7 @@ class EngineCore:
                                                     prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps)))
                 continue
             request.all_token_ids.append(token)
+            request.record_token()
             lp = result.logprobs.get(request.key)
             out = EngineCoreOutput(request.request_id, request.index, [token],
                                    new_logprobs=[lp] if lp is not None else None,
@@ -166,8 +168,15 @@ class EngineCore:
             if reason is not None:
                 self.scheduler.finish(request, reason, stop_reason)
                 out.finish_reason, out.stop_reason = reason, stop_reason
+                out.timing = self._timing(request)
             outputs.append(out)
         return outputs
+
+    def _timing(self, request: Request) -> RequestTiming:
+        def since_arrival(stamp: float | None) -> float | None:
+            return None if stamp is None else stamp - request.added_at
+        return RequestTiming(self.rank, since_arrival(request.first_scheduled_at),
+                             since_arrival(request.first_token_at), since_arrival(request.last_token_at))
 
     @staticmethod
     def _prompt_lp_list(first_chunk: bool, entries):

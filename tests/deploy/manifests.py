@@ -30,7 +30,7 @@ KUSTOMIZATIONS = {"base": K8S / "base"} | {
 
 NAMESPACE = "kvsentry"  # what the overlays set; stands in for the downward API
 # `kvsentry serve` flags that take no value (store_true / BooleanOptionalAction).
-BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection", "--log-prompts",
+BOOLEAN_FLAGS = {"--headless", "--enable-fault-injection", "--log-prompts", "--allow-credentials",
                  "--enable-prefix-caching", "--no-enable-prefix-caching",
                  "--dummy-batch-random-inputs", "--no-dummy-batch-random-inputs",
                  "--nan-scan-written-blocks", "--no-nan-scan-written-blocks",

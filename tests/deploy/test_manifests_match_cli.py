@@ -48,9 +48,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def app_routes() -> set[str]:
     """Paths of the app's OpenAPI schema. build_app only registers routes and reads
-    settings.enable_fault_injection; nothing starts until the lifespan runs."""
+    settings; nothing starts until the lifespan runs."""
     from service.app import build_app
-    stand_in = SimpleNamespace(settings=SimpleNamespace(enable_fault_injection=True))
+    from service.state import ServeSettings
+    stand_in = SimpleNamespace(settings=ServeSettings(("m",), enable_fault_injection=True))
     return set(build_app(stand_in).openapi()["paths"])
 
 
