@@ -18,6 +18,7 @@ import torch
 from engine.placement import check_device_name, check_placement, visible_cuda_devices
 from engine.gguf.hf_config import eos_token_ids, hf_config_from_gguf
 from engine.gguf.reader import is_gguf_path, read_gguf
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -229,6 +230,8 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     enforce_eager: bool = False  # no CUDA graphs, no fused CPU layer stack: every op runs from Python
     cuda_graph_check_null_block: bool = False  # debug: verify block 0 is zero after every dummy replay
+    # Prompt-lookup speculative decoding (engine/spec_decode/); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def lockstep(self) -> bool:
@@ -297,6 +300,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_sizes: every size must be a positive integer, got {sizes}")
         kwargs["cuda_graph_sizes"] = (tuple(sorted(set(sizes))) if sizes
                                       else default_cuda_graph_sizes(kwargs.get("max_num_seqs", cls.max_num_seqs)))
+        kwargs["speculative_config"] = parse_speculative_config(kwargs.get("speculative_config"))
         if "pad_buckets" not in kwargs:
             kwargs["pad_buckets"] = default_pad_buckets(max_num_batched_tokens)
         local = data_parallel_size_local if data_parallel_size_local is not None else data_parallel_size

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.spec_decode.config import parse_speculative_config
 from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
 
 
@@ -64,6 +65,13 @@ def parse_dtype(text: str) -> str:
     if text in ("half", "float16"):
         raise argparse.ArgumentTypeError(f"{text} is not supported: use bfloat16 (or float32)")
     return {"float": "float32"}.get(text, text)
+
+
+def _speculative_config(text: str):
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 ENGINE_ARGS = (
@@ -122,4 +130,7 @@ ENGINE_ARGS = (
     EngineArg("cuda_graph_check_null_block", "debug: after every dummy batch replayed through a CUDA graph, "
               "verify the null block is bitwise zero on every layer (one host sync) and stop if not",
               group="CUDA graphs"),
+    EngineArg("speculative_config", 'speculative decoding as vLLM\'s JSON, prompt lookup only: {"method": "ngram", '
+              '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} (none given: off)',
+              group="speculative decoding", type=_speculative_config),
 )
