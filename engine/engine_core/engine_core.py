@@ -149,6 +149,12 @@ class EngineCore:
                 num_new -= len(drafts) - (len(run) - 1)
             full_before = request.num_computed_tokens // block_size
             request.num_computed_tokens += num_new
+            appended = None
+            if run is not None:
+                # The accepted drafts become tokens before their blocks are sealed and hashed for
+                # the prefix cache; a stop inside the run drops the rest, computed or not.
+                appended = self._append(request, run, max_len)
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.integrity.filled(request.block_ids[full_before:request.num_computed_tokens // block_size])
             self.scheduler.kv.cache_computed_blocks(request)
             prompt_lps = result.prompt_logprobs.get(request.key)
@@ -161,7 +167,7 @@ class EngineCore:
                     outputs.append(EngineCoreOutput(request.request_id, request.index, [],
                                                     prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps)))
                 continue
-            new_tokens, reason, stop_reason = self._append(request, run or [token], max_len)
+            new_tokens, reason, stop_reason = appended or self._append(request, [token], max_len)
             if run is not None:
                 self.speculator.record(request, len(drafts), len(run) - 1)
                 if reason is None:

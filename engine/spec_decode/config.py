@@ -40,6 +40,9 @@ def parse_speculative_config(value: "str | dict[str, Any] | SpeculativeConfig | 
     value = dict(value)
     if "method" not in value:
         raise ValueError('speculative_config: "method" is required (supported: ngram)')
+    if value["method"] not in SPECULATIVE_METHODS:  # before the keys: a draft model's config names its own
+        raise ValueError(f"speculative_config: method {value['method']!r} is not supported; "
+                         f"supported: {', '.join(SPECULATIVE_METHODS)} (prompt lookup)")
     if value.get("prompt_lookup_max") is not None and value.get("prompt_lookup_min") is None:
         value["prompt_lookup_min"] = min(SpeculativeConfig.prompt_lookup_min, value["prompt_lookup_max"])
     known = set(SpeculativeConfig.__dataclass_fields__)
