@@ -26,9 +26,11 @@ for _a, _b in zip(_order, _order[1:] + _order[:1]):
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def write_cycling_checkpoint(path: str | Path, sharpness: float = 1.0, layer_scale: float = 0.05) -> str:
+def write_cycling_checkpoint(path: str | Path, sharpness: float = 1.0, layer_scale: float = 0.05,
+                             preset: str = "tiny-llama") -> str:
+    """`preset`: a demo preset with a 512-token vocabulary (tiny-llama; tiny-deepseek-v3 for DP + EP)."""
     path = Path(path)
-    write_preset(path, "tiny-llama", init_scale=0.3)
+    write_preset(path, preset, init_scale=0.3)
     weights = load_file(str(path / "model.safetensors"))
     for name in list(weights):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
