@@ -18,6 +18,7 @@ import torch
 from engine.placement import check_device_name, check_placement, visible_cuda_devices
 from engine.gguf.hf_config import eos_token_ids, hf_config_from_gguf
 from engine.gguf.reader import is_gguf_path, read_gguf
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -234,6 +235,8 @@ class EngineConfig:
     # priority policy: a request's effective priority improves by one level every this many
     # scheduler steps it has spent on the rank, which bounds starvation; 0: no aging.
     priority_aging_steps: int = 256
+    # Prompt-lookup speculative decoding (engine/spec_decode/); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def lockstep(self) -> bool:
@@ -306,6 +309,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_sizes: every size must be a positive integer, got {sizes}")
         kwargs["cuda_graph_sizes"] = (tuple(sorted(set(sizes))) if sizes
                                       else default_cuda_graph_sizes(kwargs.get("max_num_seqs", cls.max_num_seqs)))
+        kwargs["speculative_config"] = parse_speculative_config(kwargs.get("speculative_config"))
         if "pad_buckets" not in kwargs:
             kwargs["pad_buckets"] = default_pad_buckets(max_num_batched_tokens)
         local = data_parallel_size_local if data_parallel_size_local is not None else data_parallel_size

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.spec_decode.config import parse_speculative_config
 from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
 from engine.config import SCHEDULING_POLICIES
 
@@ -65,6 +66,13 @@ def parse_dtype(text: str) -> str:
     if text in ("half", "float16"):
         raise argparse.ArgumentTypeError(f"{text} is not supported: use bfloat16 (or float32)")
     return {"float": "float32"}.get(text, text)
+
+
+def _speculative_config(text: str):
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 ENGINE_ARGS = (
@@ -129,4 +137,7 @@ ENGINE_ARGS = (
     EngineArg("priority_aging_steps", "priority policy: a waiting request's effective priority improves by one "
               "level every N scheduler steps, so a request of priority p is never overtaken by one of priority q "
               "arriving more than (p - q) * N steps after it (0: no aging)", group="scheduling"),
+    EngineArg("speculative_config", 'speculative decoding as vLLM\'s JSON, prompt lookup only: {"method": "ngram", '
+              '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} (none given: off)',
+              group="speculative decoding", type=_speculative_config),
 )

@@ -8,6 +8,7 @@ import msgspec
 
 from engine.integrity.stats import IntegrityStats
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.stats import SpecDecodeStats
 
 
 class EngineRequest(msgspec.Struct, tag=True):
@@ -89,6 +90,7 @@ class StepStats(msgspec.Struct, array_like=True):
     prefix_hits: int
     preemptions: int
     integrity: IntegrityStats = msgspec.field(default_factory=IntegrityStats)  # engine/integrity/
+    spec_decode: SpecDecodeStats = msgspec.field(default_factory=SpecDecodeStats)  # engine/spec_decode/
 
 
 class RankReady(msgspec.Struct, tag=True):

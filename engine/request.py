@@ -50,6 +50,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Sibling samples (n > 1) wait until the first one's prompt is cached, then share it.
         self.wait_for = wait_for
+        # Proposed next tokens (engine/spec_decode/) the next step verifies; set after each step.
+        self.draft_token_ids: list[int] = []
         self.grammar = None  # RequestGrammar (engine/structured/grammar.py) when the output is constrained
         self.generator: torch.Generator | None = None
         self.priority = priority  # lower runs first under --scheduling-policy priority (engine/core/request_queue.py)
@@ -97,6 +99,9 @@ class Request:
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    # request key -> the draft tokens scheduled after its last token (speculative decoding):
+    # they are the last len(drafts) of its scheduled tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -97,6 +97,33 @@ class EngineStatsCollector(Collector):
                             "own (e.g. a stale slot buffer in a dummy or padded batch); must stay 0.",
                             stats, lambda s: s.integrity.foreign_writes)
 
+        yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: dict[int, StepStats]) -> Iterator[Metric]:
+        """Speculative decoding (engine/spec_decode/), vLLM's names; all 0 when it is off."""
+        yield self._counter("kvsentry_spec_decode_num_drafts", "Verify steps of a request with draft tokens.",
+                            stats, lambda s: s.spec_decode.num_drafts)
+        yield self._counter("kvsentry_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                            stats, lambda s: s.spec_decode.num_draft_tokens)
+        yield self._counter("kvsentry_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            stats, lambda s: s.spec_decode.num_accepted_tokens)
+        yield self._counter("kvsentry_spec_decode_num_emitted_tokens",
+                            "Tokens emitted by verify steps (accepted drafts plus one each).",
+                            stats, lambda s: s.spec_decode.num_emitted_tokens)
+        per_pos = CounterMetricFamily("kvsentry_spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0 = the first).",
+                                      labels=["model_name", "engine", "position"])
+        for rank, s in sorted(stats.items()):
+            for position, count in enumerate(s.spec_decode.accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(rank), str(position)], float(count))
+        yield per_pos
+        yield self._gauge("kvsentry_spec_decode_acceptance_rate",
+                          "Accepted / proposed draft tokens since start-up on a DP rank.",
+                          stats, lambda s: s.spec_decode.acceptance_rate)
+        yield self._gauge("kvsentry_spec_decode_mean_accepted_tokens_per_step",
+                          "Tokens a verify step emits on average since start-up (1 = no gain).",
+                          stats, lambda s: s.spec_decode.mean_accepted_per_step)
+
     def _region_counter(self, name: str, doc: str, stats: dict[int, StepStats],
                         totals: Callable[[StepStats], list[tuple[str, int]]],
                         regions: tuple[str, ...]) -> CounterMetricFamily:

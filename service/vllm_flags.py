@@ -28,7 +28,6 @@ REFUSED = (
             "memory: use --kv-cache-memory (e.g. 8GiB; vLLM's --kv-cache-memory-bytes is the same flag)"),
     Refused(("--cpu-offload-gb",), "kvsentry keeps every weight on the rank's device; no offload"),
     Refused(("--kv-cache-dtype",), "the KV cache holds the model's --dtype; there is no separate cache dtype"),
-    Refused(("--speculative-config",), "kvsentry has no speculative decoding"),
     Refused(("--enable-lora",), "kvsentry serves no LoRA adapters", switch=True),
 )
 

@@ -107,10 +107,11 @@ ALLOWED_PACKAGE_IMPORTS = {
     "integrity": {"ops"},                          # sentinel, checksums, write guard, policy
     "models": {"ops", "gguf", "memory", "integrity"},
     "core": set(),                                 # scheduling: it hands down engine/request.py
-    "worker": {"ops", "models", "gguf", "memory", "integrity", "structured"},  # execution
-    "engine_core": {"core", "worker", "integrity", "memory", "structured"},   # drives a step
+    "worker": {"ops", "models", "gguf", "memory", "integrity", "structured", "spec_decode"},  # execution
+    "engine_core": {"core", "worker", "integrity", "memory", "structured", "spec_decode"},   # drives a step
     "dp": {"engine_core", "ops"},                  # DP ranks and their client
     "frontend": {"dp", "engine_core", "core"},     # the offline LLM, detokenizing
+    "spec_decode": set(),                          # n-gram proposals, rejection sampling, acceptance
 }
 
 

@@ -59,6 +59,20 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(needed))
         return True
 
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """New blocks `num_new_tokens` more computed tokens take."""
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(request.block_ids))
+
+    def trim(self, request: Request) -> None:
+        """Speculative decoding's rollback: free the blocks past the request's tokens (lookahead
+        blocks that only rejected drafts wrote). Their slots were never computed tokens: the
+        blocks carry no hash and no seal, and the pool lists them as unsealed."""
+        keep = -(-request.num_tokens // self.block_size)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -51,6 +51,8 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            drafts = self._fit_drafts(request, num_new, budget, len(self.running) - index)
+            num_new += len(drafts)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -60,6 +62,8 @@ class Scheduler:
             else:
                 scheduled_running.append(request)
                 out.scheduled.append((request, num_new))
+                if drafts:
+                    out.spec_token_ids[request.key] = drafts
                 budget -= num_new
                 index += 1
                 continue
@@ -93,6 +97,19 @@ class Scheduler:
         # One-token (decode) requests first: attention batches that leading run in one call.
         out.scheduled.sort(key=lambda item: item[1] != 1)
         return out
+
+    def _fit_drafts(self, request: Request, num_new: int, budget: int, num_left: int) -> list[int]:
+        """Speculative decoding: the draft tokens that ride after a decoding request's one new
+        token, as many as the token budget and max_model_len allow; none unless their lookahead
+        blocks come from free blocks that leave one for each of the `num_left` running requests
+        still to schedule (a lookahead never causes a preemption)."""
+        drafts = request.draft_token_ids
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        drafts = drafts[:min(budget - 1, self.config.max_model_len - request.num_tokens)]
+        if not drafts or self.kv.blocks_needed(request, 1 + len(drafts)) + num_left > self.kv.pool.num_free_blocks:
+            return []
+        return drafts
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -19,6 +19,8 @@ from engine.integrity.unit import CacheIntegrity
 from engine.memory import host_memory
 from engine.messages import EngineCoreOutput, EngineRequest, RequestTiming, StepStats
 from engine.request import Request, SchedulerOutput
+from engine.spec_decode.speculator import Speculator
+from engine.spec_decode.stats import SpecDecodeStats
 from engine.structured.grammar import GrammarCompiler, compiler_for_model
 from engine.worker.kv_cache import block_axis
 from engine.worker.model_runner import ModelRunner, RunnerOutput
@@ -41,6 +43,8 @@ class EngineCore:
         self.dummy_batches = 0
         self.padded_tokens = 0
         self._pending: list[EngineCoreOutput] = []  # outputs produced outside step() (aborts)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, config.max_model_len) if spec is not None else None
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -105,6 +109,8 @@ class EngineCore:
         self.padded_tokens += num_padded - sched.num_tokens
         result = self.runner.execute(sched, num_padded)
         outputs += self._update(sched, result)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         self._watch_cache(result.written_slots)
         return outputs + self.take_pending()
 
@@ -139,8 +145,18 @@ class EngineCore:
         max_len = self.config.max_model_len
         block_size = self.config.block_size
         for request, num_new in sched.scheduled:
+            drafts = sched.spec_token_ids.get(request.key, ())
+            run = result.spec_runs.get(request.key)
+            if run is not None:  # rollback: the rejected drafts' positions are not computed tokens
+                num_new -= len(drafts) - (len(run) - 1)
             full_before = request.num_computed_tokens // block_size
             request.num_computed_tokens += num_new
+            appended = None
+            if run is not None:
+                # The accepted drafts become tokens before their blocks are sealed and hashed for
+                # the prefix cache; a stop inside the run drops the rest, computed or not.
+                appended = self._append(request, run, max_len)
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.integrity.filled(request.block_ids[full_before:request.num_computed_tokens // block_size])
             self.scheduler.kv.cache_computed_blocks(request)
             prompt_lps = result.prompt_logprobs.get(request.key)
@@ -153,16 +169,19 @@ class EngineCore:
                     outputs.append(EngineCoreOutput(request.request_id, request.index, [],
                                                     prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps)))
                 continue
-            request.all_token_ids.append(token)
+            new_tokens, reason, stop_reason = appended or self._append(request, [token], max_len)
             request.record_token()
+            if run is not None:
+                self.speculator.record(request, len(drafts), len(run) - 1)
+                if reason is None:
+                    self.scheduler.kv.trim(request)
             lp = result.logprobs.get(request.key)
-            out = EngineCoreOutput(request.request_id, request.index, [token],
+            out = EngineCoreOutput(request.request_id, request.index, new_tokens,
                                    new_logprobs=[lp] if lp is not None else None,
                                    prompt_logprobs=self._prompt_lp_list(first_chunk, prompt_lps) if prompt_lps else None,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
             if request.num_output_tokens == 1 and request.first_scheduled_at is not None:
                 out.queue_seconds = request.first_scheduled_at - request.added_at
-            reason, stop_reason = finish_after(request, token, max_len)
             if request.key in result.nan_logits and self.integrity.bad_logits():
                 reason, stop_reason = "error", "non-finite logits"
             if reason is not None:
@@ -179,6 +198,17 @@ class EngineCore:
                              since_arrival(request.first_token_at), since_arrival(request.last_token_at))
 
     @staticmethod
+    def _append(request: Request, tokens: list[int], max_len: int) -> tuple[list[int], str | None, int | str | None]:
+        """Append a step's tokens (several after a verify step) one by one, each checked by the
+        stop rules as if sampled alone: a stop inside an accepted run ends the request there."""
+        for count, token in enumerate(tokens, 1):
+            request.all_token_ids.append(token)
+            reason, stop_reason = finish_after(request, token, max_len)
+            if reason is not None:
+                return tokens[:count], reason, stop_reason
+        return tokens, None, None
+
+    @staticmethod
     def _prompt_lp_list(first_chunk: bool, entries):
         # The first chunk carries a leading None: the first prompt token has no logprob.
         return [None] + entries if first_chunk else entries
@@ -191,4 +221,5 @@ class EngineCore:
             padded_tokens=self.padded_tokens, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), kv_usage=kv.pool.usage,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-            preemptions=self.scheduler.num_preemptions, integrity=self.integrity.stats())
+            preemptions=self.scheduler.num_preemptions, integrity=self.integrity.stats(),
+            spec_decode=self.speculator.stats.copy() if self.speculator is not None else SpecDecodeStats())

@@ -23,7 +23,8 @@ class StepBatch:
     input_ids: torch.Tensor        # [num_padded_tokens]
     positions: torch.Tensor        # [num_padded_tokens]
     meta: AttentionMetadata
-    logits_indices: list[int]      # per scheduled request: the token whose logits sample (or -1)
+    logits_indices: list[int]      # per scheduled request: the token whose logits sample (or -1);
+                                   # with drafts, the first of its 1 + len(drafts) verified rows
 
     @property
     def is_dummy(self) -> bool:
@@ -59,7 +60,12 @@ class BatchBuilder:
             start = request.num_computed_tokens
             end = start + num_new
             positions = np.arange(start, end)
-            self._np_ids[offset:offset + num_new] = request.all_token_ids[start:end]
+            # Speculative decoding: the last len(drafts) scheduled tokens are proposals past the
+            # request's tokens; the logits of its last token and of every draft are verified.
+            drafts = sched.spec_token_ids.get(request.key, ())
+            num_known = num_new - len(drafts)
+            self._np_ids[offset:offset + num_known] = request.all_token_ids[start:start + num_known]
+            self._np_ids[offset + num_known:offset + num_new] = drafts
             self._np_pos[offset:offset + num_new] = positions
             blocks = np.asarray(request.block_ids, dtype=np.int64)
             self._np_slots[offset:offset + num_new] = slots_for_positions(blocks, positions, bs)
@@ -69,7 +75,7 @@ class BatchBuilder:
             offset += num_new
             starts.append(offset)
             seq_lens.append(end)
-            logits_indices.append(offset - 1 if end == request.num_tokens else -1)
+            logits_indices.append(offset - 1 - len(drafts) if start + num_known == request.num_tokens else -1)
         # Padding: the whole remainder of every buffer, so nothing stale survives.
         self._np_ids[num_tokens:] = 0
         self._np_pos[num_tokens:] = 0

@@ -18,7 +18,7 @@ from engine.worker.loader import load_model
 from engine.messages import TokenLogprob
 from engine.models.layers import StepContext
 from engine.worker.sampler import Sampler, token_logprobs
-from engine.request import SchedulerOutput
+from engine.request import Request, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     nan_logits: set[str] = field(default_factory=set)                      # request keys
+    # Speculative decoding: request key -> the tokens its verify step emits (accepted drafts,
+    # then the model's own); `sampled` holds the first of them.
+    spec_runs: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -97,9 +100,17 @@ class ModelRunner:
         out = RunnerOutput(written_slots=batch.meta.slot_mapping[:batch.meta.num_tokens])
         requests = [r for r, _ in sched.scheduled]
         sample_rows = [i for i, idx in enumerate(batch.logits_indices) if idx >= 0]
-        if sample_rows:
-            index = torch.tensor([batch.logits_indices[i] for i in sample_rows], device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampling, vocab]
+        drafts_of = sched.spec_token_ids
+        verify_rows = [i for i in sample_rows if requests[i].key in drafts_of]
+        sample_rows = [i for i in sample_rows if requests[i].key not in drafts_of]
+        if sample_rows or verify_rows:
+            # One lm_head pass: the sampling rows, then each verifying request's 1 + k rows.
+            rows = [batch.logits_indices[i] for i in sample_rows]
+            for i in verify_rows:
+                rows += range(batch.logits_indices[i], batch.logits_indices[i] + 1 + len(drafts_of[requests[i].key]))
+            index = torch.tensor(rows, device=hidden.device)
+            all_logits = self.model.compute_logits(hidden.index_select(0, index))  # [len(rows), vocab]
+            logits = all_logits[:len(sample_rows)]  # [num_sampling, vocab]
             to_sample = [requests[i] for i in sample_rows]
             # Tokens, logprobs, and per row whether the logits are all finite (the sentinel's check).
             tokens, logprobs, finite = self.sampler.sample_step(logits, to_sample)
@@ -109,8 +120,24 @@ class ModelRunner:
                     out.logprobs[request.key] = lp
                 if not ok:
                     out.nan_logits.add(request.key)
+            self._verify([requests[i] for i in verify_rows], drafts_of, all_logits[len(sample_rows):], out)
         self._prompt_logprobs(sched, batch, hidden, out)
         return out
+
+    def _verify(self, requests: list[Request], drafts_of: dict[str, list[int]],
+                logits: torch.Tensor,  # [sum(1 + k), vocab] each request's verified rows, in order
+                out: RunnerOutput) -> None:
+        """Speculative decoding: each request's emitted run (accepted drafts + one token)."""
+        start = 0
+        for request in requests:
+            drafts = drafts_of[request.key]
+            rows = logits[start:start + 1 + len(drafts)]
+            start += 1 + len(drafts)
+            run = self.sampler.verify(rows, request, drafts)
+            out.sampled[request.key] = run[0]
+            out.spec_runs[request.key] = run
+            if not bool(torch.isfinite(rows.float().sum()).item()):
+                out.nan_logits.add(request.key)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
                          out: RunnerOutput) -> None:

@@ -13,6 +13,7 @@ import torch
 from engine.messages import TokenLogprob
 from engine.ops import cpu_ops
 from engine.request import Request
+from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
 from engine.structured.grammar import apply_grammars
 
 
@@ -170,3 +171,42 @@ class Sampler:
                 entry.top = entry.top[:requests[i].params.logprobs]
                 logprobs[i] = entry
         return tokens, logprobs
+
+    def verify(self, logits: torch.Tensor,  # [k + 1, vocab] the model's, at the last token and each draft
+               request: Request, drafts: list[int]) -> list[int]:
+        """Speculative decoding: the tokens a verify step emits (accepted drafts, then one from
+        the model; engine/spec_decode/rejection_sampler.py). Position i is processed as `sample`
+        would process it had drafts[:i] been sampled already (penalties, min_tokens), so the
+        distribution of what is emitted is the normal sampler's."""
+        if _argmax_kernel_takes(logits) and _plain_greedy(request):
+            return accept_greedy(cpu_ops.row_argmax(logits)[0].tolist(), drafts)
+        logits = logits.float().cpu()
+
+        def processed(i: int) -> torch.Tensor:  # [vocab]
+            row, context = logits[i].clone(), _Drafted(request, drafts[:i])
+            if request.params.uses_penalties:
+                apply_penalties(row, context)
+            _mask_for_min_tokens(row, context)
+            return row
+
+        if request.params.greedy:
+            out: list[int] = []
+            for i in range(len(drafts) + 1):
+                out.append(int(row_argmax(processed(i).unsqueeze(0))[0]))
+                if i == len(drafts) or out[-1] != drafts[i]:
+                    break
+            return out
+        return rejection_sample(lambda i: _filter(processed(i), request), drafts,
+                                request.generator or self.generator)
+
+
+class _Drafted:
+    """A request as the sampler sees it once `drafts` follow its tokens (what penalties and
+    min_tokens read)."""
+
+    def __init__(self, request: Request, drafts: list[int]):
+        self.params = request.params
+        self.eos_token_ids = request.eos_token_ids
+        self.all_token_ids = request.all_token_ids + drafts
+        self.output_token_ids = request.output_token_ids + drafts
+        self.num_output_tokens = request.num_output_tokens + len(drafts)
