@@ -229,6 +229,10 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     enforce_eager: bool = False  # no CUDA graphs, no fused CPU layer stack: every op runs from Python
     cuda_graph_check_null_block: bool = False  # debug: verify block 0 is zero after every dummy replay
+    # Rank supervision (engine/dp/supervision.py): more rank deaths than this within the window
+    # (seconds) is a crash loop -- the server stops respawning and reports itself unhealthy.
+    max_rank_restarts: int = 5
+    rank_restart_window: float = 300.0
 
     @property
     def lockstep(self) -> bool:
@@ -285,6 +289,10 @@ class EngineConfig:
             raise ValueError(f"kv_checksums: must be one of {', '.join(KV_CHECKSUM_MODES)}")
         if kwargs.get("kv_checksum_blocks_per_step", cls.kv_checksum_blocks_per_step) < 1:
             raise ValueError("kv_checksum_blocks_per_step: must be >= 1")
+        if kwargs.get("max_rank_restarts", cls.max_rank_restarts) < 0:
+            raise ValueError("max_rank_restarts: must be >= 0")
+        if kwargs.get("rank_restart_window", cls.rank_restart_window) <= 0:
+            raise ValueError("rank_restart_window: must be > 0 seconds")
         if num_gpu_blocks is None:
             per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
                          * model_config.num_layers)

@@ -122,4 +122,9 @@ ENGINE_ARGS = (
     EngineArg("cuda_graph_check_null_block", "debug: after every dummy batch replayed through a CUDA graph, "
               "verify the null block is bitwise zero on every layer (one host sync) and stop if not",
               group="CUDA graphs"),
+    EngineArg("max_rank_restarts", "a dead DP rank is respawned (lockstep groups re-form); more deaths than "
+              "this within --rank-restart-window is a crash loop: no more respawns, /health turns 503",
+              group="data parallel"),
+    EngineArg("rank_restart_window", "seconds over which --max-rank-restarts counts rank deaths",
+              group="data parallel"),
 )

@@ -176,7 +176,10 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
         uvicorn_log_level=args.uvicorn_log_level)
-    return run(config, AsyncEngineClient(config), settings, args.host, args.port)
+    from engine.dp.client import RANK_SILENCE_SECONDS
+    # A rank silent this long is wedged: killed and replaced (engine/dp/async_client.py).
+    client = AsyncEngineClient(config, wedge_timeout=min(RANK_SILENCE_SECONDS, settings.health_stall_timeout))
+    return run(config, client, settings, args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
