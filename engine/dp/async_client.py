@@ -256,7 +256,7 @@ class AsyncEngineClient:
 
     def _exited(self, rank: int, proc) -> None:
         self._unwatch(proc)
-        proc.join(0)
+        proc.join(1.0)  # the sentinel can close a moment before the exit status is there to reap
         if self._closed or not self._started or self.local.get(rank) is not proc:
             return  # start-up failures are start()'s; a replaced process was already settled
         code = proc.exitcode
