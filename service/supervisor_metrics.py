@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.dp.supervision import SupervisionCounters
+from engine.dp.supervision import RESTART_REASONS, SupervisionCounters
 
 SupervisionSource = Callable[[], SupervisionCounters | None]
 
@@ -24,8 +24,10 @@ class SupervisionCollector(Collector):
         restarts = CounterMetricFamily("kvsentry_rank_restarts", "DP rank processes respawned by the supervisor, "
                                        "by rank and why the old one ended (killed, exited, wedged).",
                                        labels=["model_name", "engine", "reason"])
-        for (rank, reason), count in sorted(counters.restarts.items()):
-            restarts.add_metric([self.model_name, str(rank), reason], count)
+        # Every (rank, reason) from 0: a series born at 1 would hide its first restart from increase().
+        keys = {(rank, reason) for rank in counters.ranks for reason in RESTART_REASONS} | set(counters.restarts)
+        for rank, reason in sorted(keys):
+            restarts.add_metric([self.model_name, str(rank), reason], counters.restarts[(rank, reason)])
         yield restarts
         yield self._counter("kvsentry_requests_requeued",
                             "Requests whose rank died before they produced output, moved to a live rank.",

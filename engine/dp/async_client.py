@@ -53,7 +53,7 @@ class AsyncEngineClient:
         # each observation, like the sentinel's scan durations).
         self.stats_listeners: list = []
         self.wedge_timeout = wedge_timeout
-        self.supervision = SupervisionCounters()
+        self.supervision = SupervisionCounters(ranks=tuple(local_ranks(config)))
         self.crash_loop = CrashLoop.for_config(config)
         self.pending: list[EngineRequest] = []  # re-queued, waiting for a rank that takes them
         self.death_reasons: dict[int, str] = {}  # local rank -> why it is being replaced

@@ -23,6 +23,7 @@ class SupervisionCounters:
     requeued: int = 0                  # requests moved to another (or the re-formed) rank unseen
     failed_by_rank_death: int = 0      # requests that had streamed output when their rank died
     live_ranks: int = 0
+    ranks: tuple[int, ...] = ()        # every rank this front end supervises: each series exists from 0
 
 
 class CrashLoop:
