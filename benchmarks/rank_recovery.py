@@ -60,13 +60,14 @@ class Load:
 
     def __init__(self, url: str, clients: int, max_tokens: int):
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        self.model = self.client.models.list().data[0].id
         self.max_tokens = max_tokens
         self.stop = threading.Event()
         self.records: list[tuple[float, float, str, int]] = []  # (start, end, outcome, tokens)
         self.threads = [threading.Thread(target=self.run, args=(i % 2 == 0, i), daemon=True) for i in range(clients)]
 
     def one(self, stream: bool, seed: int) -> tuple[str, int]:
-        params = dict(model="kvsentry-demo", prompt=f"client {seed}: the key value cache", temperature=0.0,
+        params = dict(model=self.model, prompt=f"client {seed}: the key value cache", temperature=0.0,
                       max_tokens=self.max_tokens, extra_body={"ignore_eos": True})
         try:
             if not stream:
@@ -123,7 +124,7 @@ def main() -> int:
     started = time.monotonic()
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, start_new_session=True)
     try:
-        while httpx.get(f"{url}/ready", timeout=5).status_code != 200 if _up(url) else True:
+        while not _ready(url):
             if proc.poll() is not None:
                 raise SystemExit(f"server exited with {proc.returncode}")
             time.sleep(0.2)
@@ -160,9 +161,12 @@ def main() -> int:
     outcomes: dict[str, int] = {}
     for _, _, outcome, _ in load.records:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    failed = sum(n for o, n in outcomes.items() if o in ("stream_error", "finish_error"))
+    # Allowed: served, failed by a rank's death (error in the stream, or a 503 for a non-streamed
+    # one that had output, or for a new one while the group re-forms).
+    unexpected = {o: n for o, n in outcomes.items() if o not in ("ok", "stream_error", "finish_error", "http_503")}
     recoveries = [k["to_full_capacity_s"] for k in kills]
-    passed = hung == 0 and len(recoveries) == args.kills and failed <= failed_metric
+    passed = (hung == 0 and len(recoveries) == args.kills and not unexpected and outcomes.get("ok", 0) > 0
+              and outcomes.get("stream_error", 0) + outcomes.get("finish_error", 0) <= failed_metric)
     for kill in kills:
         kill.pop("at")
     payload = {
@@ -172,8 +176,9 @@ def main() -> int:
         "median_kill_to_full_capacity_s": round(statistics.median(recoveries), 3),
         "requests": {"total": len(load.records), "outcomes": outcomes, "requeued": int(requeued),
                      "failed_by_rank_death": int(failed_metric), "hung": hung},
-        "verdict": {"passed": passed, "rule": "every kill back to full capacity, no request hung, "
-                    "every failure counted by kvsentry_requests_failed_by_rank_death_total"},
+        "verdict": {"passed": passed, "rule": "every kill back to full capacity, no request hung, requests "
+                    "served, none ended any other way than served, failed by a rank's death or 503 while re-forming, "
+                    "every failed stream counted by kvsentry_requests_failed_by_rank_death_total"},
     }
     print(f"startup {startup:.1f} s; kill -> full capacity {recoveries} s; requests {outcomes}, "
           f"re-queued {int(requeued)}, failed by rank death {int(failed_metric)}, hung {hung}")
@@ -181,10 +186,9 @@ def main() -> int:
     return 0 if passed else 1
 
 
-def _up(url: str) -> bool:
+def _ready(url: str) -> bool:
     try:
-        httpx.get(f"{url}/health", timeout=2)
-        return True
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
