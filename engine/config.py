@@ -237,6 +237,10 @@ class EngineConfig:
     priority_aging_steps: int = 256
     # Prompt-lookup speculative decoding (engine/spec_decode/); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Rank supervision (engine/dp/supervision.py): more rank deaths than this within the window
+    # (seconds) is a crash loop -- the server stops respawning and reports itself unhealthy.
+    max_rank_restarts: int = 5
+    rank_restart_window: float = 300.0
 
     @property
     def lockstep(self) -> bool:
@@ -297,6 +301,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}")
         if kwargs.get("priority_aging_steps", cls.priority_aging_steps) < 0:
             raise ValueError("priority_aging_steps: must be >= 0 (0: no aging)")
+        if kwargs.get("max_rank_restarts", cls.max_rank_restarts) < 0:
+            raise ValueError("max_rank_restarts: must be >= 0")
+        if kwargs.get("rank_restart_window", cls.rank_restart_window) <= 0:
+            raise ValueError("rank_restart_window: must be > 0 seconds")
         if num_gpu_blocks is None:
             per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
                          * model_config.num_layers)

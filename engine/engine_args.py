@@ -140,4 +140,9 @@ ENGINE_ARGS = (
     EngineArg("speculative_config", 'speculative decoding as vLLM\'s JSON, prompt lookup only: {"method": "ngram", '
               '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} (none given: off)',
               group="speculative decoding", type=_speculative_config),
+    EngineArg("max_rank_restarts", "a dead DP rank is respawned (lockstep groups re-form); more deaths than "
+              "this within --rank-restart-window is a crash loop: no more respawns, /health turns 503",
+              group="data parallel"),
+    EngineArg("rank_restart_window", "seconds over which --max-rank-restarts counts rank deaths",
+              group="data parallel"),
 )

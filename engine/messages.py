@@ -67,13 +67,19 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class Fault(msgspec.Struct, tag=True):
     """Operator fault injection (only honoured with --enable-fault-injection)."""
-    kind: str  # "nan" | "inf" | "legacy_dummy" | "bitflip" | "stale_slot_dummy"
+    kind: str  # "nan" | "inf" | "legacy_dummy" | "bitflip" | "stale_slot_dummy" | "kill_rank" | "hang_rank"
     layer: int = 0
     block: int = 0  # bitflip: -1 = a sealed block of the rank's choosing (the latest sealed)
     target: str = "k"  # k | v | latent
 
 
-EngineInput = EngineRequest | Abort | Wake | Shutdown | Fault
+class Reform(msgspec.Struct, tag=True):
+    """Join lockstep group `generation` (a fresh rendezvous: engine/dp/rendezvous.py), leaving the
+    old one with every request and the KV cache dropped (engine/dp/reform.py)."""
+    generation: int
+
+
+EngineInput = EngineRequest | Abort | Wake | Shutdown | Fault | Reform
 
 
 class StepStats(msgspec.Struct, array_like=True):
@@ -98,6 +104,7 @@ class RankReady(msgspec.Struct, tag=True):
     num_blocks: int
     pid: int
     op_implementations: dict[str, str] = {}  # op -> kernel or torch reference (engine/ops/implementations.py)
+    incarnation: int = 0  # new for every process and every re-formed group: older outputs are stale
 
 
 class RankFailed(msgspec.Struct, tag=True):
@@ -111,6 +118,20 @@ class EngineOutputs(msgspec.Struct, tag=True):
     stats: StepStats | None = None
     wave_complete: int | None = None   # set by rank 0 when a wave ends
     start_wave: int | None = None      # a rank got a request for an ended wave
+    incarnation: int = 0               # the sender's, as in its RankReady
 
 
-EngineMessage = EngineOutputs | RankReady | RankFailed
+class RankJoining(msgspec.Struct, tag=True):
+    """A respawned lockstep rank, weights not loaded yet, waits for a Reform naming its group."""
+    rank: int
+    incarnation: int
+
+
+class GroupBroken(msgspec.Struct, tag=True):
+    """A lockstep rank's collective failed (a peer died): it dropped its requests and waits for a Reform."""
+    rank: int
+    incarnation: int
+    reason: str
+
+
+EngineMessage = EngineOutputs | RankReady | RankFailed | RankJoining | GroupBroken

@@ -88,7 +88,8 @@ def _add_serve_parser(sub) -> None:
                       help="on SIGTERM, seconds in-flight requests may take before they are aborted")
     http.add_argument("--health-stall-timeout", type=float, default=SETTINGS_DEFAULTS["health_stall_timeout"],
                       help="/health turns 503 when no engine step completed for this many seconds "
-                           "while requests are in flight (a wedged rank)")
+                           "while requests are in flight (a wedged rank); a rank silent for half of it "
+                           "(at most 30 s) is killed and replaced first")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log level of the JSON-lines log on stderr")
     http.add_argument("--log-prompts", action="store_true",
@@ -190,7 +191,11 @@ def serve(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
         uvicorn_log_level=args.uvicorn_log_level, responses_store_size=args.responses_store_size,
         **http_feature_settings(args))
-    return run(config, AsyncEngineClient(config), settings, args.host, args.port)
+    from engine.dp.client import RANK_SILENCE_SECONDS
+    # A rank silent this long is wedged: killed and replaced (engine/dp/async_client.py), before
+    # /health would call the whole server stalled.
+    client = AsyncEngineClient(config, wedge_timeout=min(RANK_SILENCE_SECONDS, settings.health_stall_timeout / 2))
+    return run(config, client, settings, args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.core.validation import validate_api_request, validate_priority, validate_prompt
+from engine.dp.client import RankDiedError
 from engine.frontend.output_processor import RequestState
 from engine.messages import EngineRequest, RequestTiming
 from engine.sampling_params import SamplingParams
@@ -32,6 +33,10 @@ TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")  # W3C trace context, cont
 
 class EngineFailed(Exception):
     """The engine could not finish this request (a rank died, or refused it)."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable  # its rank died and was replaced: the same request may be sent again
 
 
 @dataclass
@@ -149,7 +154,7 @@ class Generation:
         while not self.finished:
             index, item = (0, await single.get()) if single is not None else await self._events.get()
             if isinstance(item, Exception):
-                raise EngineFailed(str(item) or type(item).__name__)
+                raise EngineFailed(str(item) or type(item).__name__, isinstance(item, RankDiedError))
             request_state = self.states[index]
             if request_state.finished:
                 continue
@@ -298,6 +303,9 @@ async def complete(request, generation: Generation) -> bool:
         return await run_unless_disconnected(request.receive, generation)
     except EngineFailed as exc:
         generation.close("engine_error")
+        if exc.retryable:  # its rank died under it and is being replaced: a retry is served
+            raise APIError(503, f"the engine failed while serving this request: {exc}", None, "rank_died",
+                           headers={"Retry-After": "1"})
         raise APIError(500, f"the engine failed while serving this request: {exc}", None, "engine_error")
     finally:
         generation.close()

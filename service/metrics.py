@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from engine.integrity.regions import CHECKSUM_REGIONS
 from engine.messages import StepStats
+from service.supervisor_metrics import SupervisionCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -236,6 +237,10 @@ class Metrics:
             self.prompt_tokens.labels(n), self.generation_tokens.labels(n), self.ttft.labels(n),
             self.itl.labels(n), self.e2e.labels(n), self.queue_time.labels(n), self.in_flight.labels(n),
             {reason: self.request_success.labels(n, reason) for reason in FINISH_REASONS})
+
+    def watch_supervision(self, source) -> None:
+        """The rank supervisor's series (service/supervisor_metrics.py), read at scrape time."""
+        self.registry.register(SupervisionCollector(self.model_name, source))
 
     def count_finish(self, reason: str) -> None:
         series = self.series.success.get(reason)

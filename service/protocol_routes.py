@@ -62,9 +62,10 @@ class StatusResponse(BaseModel):
 class FaultRequest(StrictRequest):
     """nan | inf: poison one value of `block`; legacy_dummy: the next dummy batch writes the
     null block; bitflip: flip one bit of sealed `block` (finite corruption, no NaN);
-    stale_slot_dummy: the next dummy batch reuses the previous real step's slots."""
+    stale_slot_dummy: the next dummy batch reuses the previous real step's slots; kill_rank: SIGKILL
+    to the rank; hang_rank: the rank stops stepping and reporting (the wedge detector replaces it)."""
     rank: int = Field(0, ge=0)
-    kind: Literal["nan", "inf", "legacy_dummy", "bitflip", "stale_slot_dummy"]
+    kind: Literal["nan", "inf", "legacy_dummy", "bitflip", "stale_slot_dummy", "kill_rank", "hang_rank"]
     layer: int = Field(0, ge=0)
     block: int | None = Field(None, ge=0)  # None: 0, or for bitflip the rank's latest sealed block
     target: Literal["k", "v", "latent"] = "k"

@@ -98,7 +98,7 @@ def run(config: EngineConfig, client, settings: ServeSettings, host: str, port: 
 
 def run_headless(config: EngineConfig) -> int:
     """Worker node of a multi-node DP group: only this node's ranks, no HTTP."""
-    from engine.dp.client import run_headless as run_local_ranks
+    from engine.dp.headless import run_headless as run_local_ranks
 
     def interrupt(sig: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

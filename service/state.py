@@ -79,6 +79,7 @@ class AppState:
                             default=1)
         self.max_prompt_chars = config.max_model_len * max(1, longest_piece)
         self.metrics = Metrics(self.model_name, lambda: self.client.stats, lambda: self.client.op_implementations)
+        self.metrics.watch_supervision(lambda: getattr(self.client, "supervision", None))
         listeners = getattr(self.client, "stats_listeners", None)
         if listeners is not None:
             listeners.append(self.metrics.observe_stats)
@@ -185,7 +186,7 @@ class AppState:
         if self.draining:
             return False, "draining"
         if not self.client.ready:
-            return False, "loading"
+            return False, getattr(self.client, "unready_reason", "loading")
         tripped = sorted(r for r, s in self.client.stats.items() if s.integrity.nan_policy_tripped)
         if tripped:
             return False, f"NaN policy tripped on DP rank(s) {tripped}"

@@ -3,8 +3,8 @@
 `ClientState` is the transport-free bookkeeping (which rank holds which
 request, least-loaded routing, the wave counter); `DPEngineClient` drives it
 over blocking zmq for the offline `LLM`, engine/dp/async_client.py over asyncio
-for the HTTP service, and `run_headless` starts only local ranks for a worker
-node of a multi-node group.
+for the HTTP service (with the rank supervisor), and engine/dp/headless.py starts only local
+ranks for a worker node of a multi-node group.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import zmq
 from engine.config import EngineConfig
 from engine.placement import check_placement, visible_cuda_devices
 from engine.dp.rank import endpoints, rank_identity, run_rank
+from engine.dp.rendezvous import host_store
 from engine.messages import (Abort, EngineCoreOutput, EngineMessage, EngineOutputs, EngineRequest,
-                             Fault, RankFailed, RankReady, Shutdown, StepStats, Wake)
+                             Fault, GroupBroken, RankFailed, RankJoining, RankReady, Shutdown, StepStats, Wake)
 
 RANK_SILENCE_SECONDS = 30.0  # a rank heartbeats every second while idle
 
@@ -30,10 +31,17 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RankDiedError(EngineDeadError):
+    """The rank serving a request died after the request had produced output: it cannot be
+    re-queued without the client seeing its output twice (engine/dp/supervision.py)."""
+
+
 @dataclass
 class _Tracked:
     rank: int
     samples_left: int
+    request: EngineRequest       # kept to re-queue it, should its rank die before it produced output
+    incarnation: int             # of the rank process it went to: outputs of another are stale
     started: bool = False
 
 
@@ -47,12 +55,15 @@ class ClientState:
         self.waiting = [0] * self.size
         self.running = [0] * self.size
         self.rotation = itertools.count()
-        self.ready_ranks: set[int] = set()
+        self.ready_ranks: set[int] = set()  # ranks that take requests now
+        self.incarnations: dict[int, int] = {}  # rank -> incarnation of its live process (RankReady)
+        self.lifecycle: list[RankJoining | GroupBroken | RankFailed] = []  # for a supervisor to act on
         self.op_implementations: dict[int, dict[str, str]] = {}  # rank -> {op: implementation}
         self.last_seen = [time.monotonic()] * self.size
         self.last_progress = time.monotonic()
         self.stats: dict[int, StepStats] = {}
         self.dead_reason: str | None = None
+        self.supervised = False  # a rank's death is the supervisor's to handle, not the end
         self.last_stats: StepStats | None = None  # the stats carried by the last handled message
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineMessage)
@@ -62,9 +73,10 @@ class ClientState:
         return len(self.ready_ranks) == self.size
 
     def pick_rank(self) -> int:
-        loads = [self.waiting[r] * 4 + self.running[r] for r in range(self.size)]
-        best = min(loads)
-        candidates = [r for r in range(self.size) if loads[r] == best]
+        ranks = sorted(self.ready_ranks) or list(range(self.size))
+        loads = {r: self.waiting[r] * 4 + self.running[r] for r in ranks}
+        best = min(loads.values())
+        candidates = [r for r in ranks if loads[r] == best]
         return candidates[next(self.rotation) % len(candidates)]
 
     def route(self, request: EngineRequest, rank: int | None = None) -> list[tuple[int, bytes]]:
@@ -75,7 +87,7 @@ class ClientState:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank: must be in [0, {self.size})")
         request.wave = self.wave
-        self.tracked[request.request_id] = _Tracked(rank, request.params.n)
+        self.tracked[request.request_id] = _Tracked(rank, request.params.n, request, self.incarnations.get(rank, 0))
         self.waiting[rank] += 1
         messages = [(rank, self.encoder.encode(request))]
         if self.lockstep:
@@ -100,13 +112,23 @@ class ClientState:
         self.last_stats = msg.stats if isinstance(msg, EngineOutputs) else None
         if isinstance(msg, RankReady):
             self.ready_ranks.add(msg.rank)
+            self.incarnations[msg.rank] = msg.incarnation
             self.op_implementations[msg.rank] = msg.op_implementations
             self.last_seen[msg.rank] = now
             return [], []
+        if isinstance(msg, (RankJoining, GroupBroken)):
+            if self.supervised:
+                self.lifecycle.append(msg)
+            return [], []
         if isinstance(msg, RankFailed):
-            self.dead_reason = f"DP rank {msg.rank} failed: {msg.reason}"
+            if self.supervised:
+                self.lifecycle.append(msg)
+            else:  # else a supervisor replaces the rank (engine/dp/async_client.py)
+                self.dead_reason = f"DP rank {msg.rank} failed: {msg.reason}"
             return [], []
         assert isinstance(msg, EngineOutputs)
+        if self.incarnations.get(msg.rank) != msg.incarnation:
+            return [], []  # sent by a process that has died or left its group since
         self.last_seen[msg.rank] = now
         if msg.stats is not None:
             previous = self.stats.get(msg.rank)
@@ -119,10 +141,12 @@ class ClientState:
         if msg.start_wave is not None:
             self.wave = max(self.wave, msg.start_wave)
             replies = self.broadcast(Wake(msg.start_wave))
+        outputs = []
         for out in msg.outputs:
             tracked = self.tracked.get(out.request_id)
-            if tracked is None:
+            if tracked is None or tracked.rank != msg.rank or tracked.incarnation != msg.incarnation:
                 continue
+            outputs.append(out)
             if not tracked.started:
                 tracked.started = True
                 self.waiting[tracked.rank] -= 1
@@ -132,7 +156,30 @@ class ClientState:
                 if tracked.samples_left == 0:
                     self.running[tracked.rank] -= 1
                     del self.tracked[out.request_id]
-        return msg.outputs, replies
+        return outputs, replies
+
+    def take_requests(self, ranks: set[int]) -> tuple[list[EngineRequest], list[str]]:
+        """Stop tracking every request on `ranks`: (those that produced no output yet, to re-queue,
+        oldest first; the ids of those that did)."""
+        unstarted, started = [], []
+        for request_id, tracked in list(self.tracked.items()):
+            if tracked.rank not in ranks:
+                continue
+            del self.tracked[request_id]
+            if tracked.started:
+                self.running[tracked.rank] -= 1
+                started.append(request_id)
+            else:
+                self.waiting[tracked.rank] -= 1
+                unstarted.append(tracked.request)
+        unstarted.sort(key=lambda request: request.arrival_time)
+        return unstarted, started
+
+    def rank_down(self, rank: int) -> None:
+        """`rank` takes no requests, and whatever its process sends from now on is stale."""
+        self.ready_ranks.discard(rank)
+        self.incarnations.pop(rank, None)
+        self.stats.pop(rank, None)
 
     def silent_ranks(self) -> list[int]:
         now = time.monotonic()
@@ -167,16 +214,22 @@ def check_local_placement(config: EngineConfig) -> None:
         check_placement(config.device, config.parallel.data_parallel_size_local, visible_cuda_devices())
 
 
+def spawn_rank(config: EngineConfig, rank: int, generation: int | None = 0) -> mp.Process:
+    """One rank process; `generation` None: a respawn, which asks which group to join."""
+    proc = mp.get_context("spawn").Process(target=run_rank, args=(config, rank, generation),
+                                           name=f"kvsentry-dp-rank-{rank}", daemon=True)
+    proc.start()
+    return proc
+
+
+def local_ranks(config: EngineConfig) -> range:
+    p = config.parallel
+    return range(p.data_parallel_start_rank, p.data_parallel_start_rank + p.data_parallel_size_local)
+
+
 def spawn_local_ranks(config: EngineConfig) -> list[mp.Process]:
     check_local_placement(config)
-    p = config.parallel
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(p.data_parallel_start_rank, p.data_parallel_start_rank + p.data_parallel_size_local):
-        proc = ctx.Process(target=run_rank, args=(config, rank), name=f"kvsentry-dp-rank-{rank}", daemon=True)
-        proc.start()
-        procs.append(proc)
-    return procs
+    return [spawn_rank(config, rank) for rank in local_ranks(config)]
 
 
 def killed_process_reason(procs: list[mp.Process], config: EngineConfig) -> str | None:
@@ -222,6 +275,7 @@ class ClientResources:
         self.router: zmq.Socket | None = None  # the ROUTER the ranks hear Shutdown on
         self.sockets: list[zmq.Socket] = []
         self.procs: list[mp.Process] = []
+        self.store = None  # the lockstep group's rendezvous store (engine/dp/rendezvous.py), if any
 
     def socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -241,6 +295,7 @@ class ClientResources:
             except Exception:  # an asyncio socket whose event loop is gone: close it plainly
                 zmq.Socket.close(sock, 0)
         self.ctx.term()
+        self.store = None
 
 
 class DPEngineClient:
@@ -258,6 +313,7 @@ class DPEngineClient:
         self.inputs.bind(input_addr)
         self.outputs = self.resources.socket(zmq.PULL)
         self.outputs.bind(output_addr)
+        self.resources.store = host_store(config)
         self.procs = self.resources.procs = spawn_local_ranks(config)
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
@@ -316,19 +372,3 @@ class DPEngineClient:
 
     def close(self) -> None:
         self._release()  # once: later calls, and the finalizer, do nothing
-
-
-def run_headless(config: EngineConfig) -> int:
-    """Worker node: run this node's ranks (no front end) until one exits; its code is ours."""
-    procs = spawn_local_ranks(config)
-    try:
-        while True:
-            reason = dead_process_reason(procs, config)
-            if reason:
-                print(reason, flush=True)
-                stop_processes(procs, timeout=2.0)
-                return next((p.exitcode for p in procs if p.exitcode), 0) or 0
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        stop_processes(procs, timeout=2.0)
-        return 0

@@ -20,7 +20,6 @@ it is idle.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import os
 import signal
@@ -34,13 +33,21 @@ import torch.distributed as dist
 import zmq
 
 from engine.config import EngineConfig
+from engine.dp.reform import rejoin, reset_core
+from engine.dp.rendezvous import join_group, leave_group
 from engine.engine_core.engine_core import EngineCore
-from engine.placement import process_group_backend, rank_device, visible_cuda_devices
-from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, RankFailed,
-                             RankReady, Shutdown, Wake)
+from engine.placement import rank_device, visible_cuda_devices
+from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, GroupBroken, RankFailed,
+                             RankJoining, RankReady, Reform, Shutdown, Wake)
 
 HEARTBEAT_SECONDS = 1.0
 STATS_SECONDS = 0.5  # the longest a busy rank's stats go unreported
+RANK_FAULTS = ("kill_rank", "hang_rank")  # faults the rank's loop acts out itself, not its engine
+
+
+def new_incarnation() -> int:
+    """Tags this process's outputs until its group re-forms (engine/dp/client.py drops older ones)."""
+    return int.from_bytes(os.urandom(6), "little")
 
 
 def endpoints(config: EngineConfig) -> tuple[str, str, str]:
@@ -48,7 +55,7 @@ def endpoints(config: EngineConfig) -> tuple[str, str, str]:
     p = config.parallel
     host = p.data_parallel_address
     return (f"tcp://{host}:{p.data_parallel_rpc_port}", f"tcp://{host}:{p.data_parallel_rpc_port + 1}",
-            f"tcp://{host}:{p.data_parallel_rpc_port + 2}")
+            f"tcp://{host}:{p.data_parallel_rpc_port + 2}")  # the last: the group's store (engine/dp/rendezvous.py)
 
 
 def rank_identity(rank: int) -> bytes:
@@ -56,8 +63,11 @@ def rank_identity(rank: int) -> bytes:
 
 
 class RankLoop:
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, lockstep: bool):
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, lockstep: bool,
+                 incarnation: int = 0):
         self.core = core
+        self.incarnation = incarnation
+        self.broken = False  # lockstep: a collective failed; no step until a Reform
         self.rank = core.rank
         self.inputs, self.outputs = inputs, outputs
         self.lockstep = lockstep
@@ -72,7 +82,7 @@ class RankLoop:
         self._reported_findings = 0  # the integrity unit's findings as last sent
 
     def send(self, **fields) -> None:
-        msg = EngineOutputs(rank=self.rank, outputs=fields.pop("outputs", []), **fields)
+        msg = EngineOutputs(rank=self.rank, outputs=fields.pop("outputs", []), incarnation=self.incarnation, **fields)
         if not msg.outputs and msg.stats is None and msg.wave_complete is None and msg.start_wave is None:
             return  # a step that produced nothing to tell (a dummy batch between reports)
         self.outputs.send(self.encoder.encode(msg), copy=False)
@@ -88,7 +98,7 @@ class RankLoop:
 
     def run(self) -> None:
         while self.running:
-            busy = self.in_wave or self.core.has_unfinished
+            busy = not self.broken and (self.in_wave or self.core.has_unfinished)
             if self.inputs.poll(0 if busy else int(HEARTBEAT_SECONDS * 1000)):
                 self.drain()
             elif not busy:
@@ -97,7 +107,8 @@ class RankLoop:
             if not self.running:
                 break
             if self.lockstep:
-                self.lockstep_step()
+                if not self.broken:
+                    self.guarded_lockstep_step()
             elif self.core.has_unfinished:
                 outputs = self.core.step()
                 self.send(outputs=outputs, stats=self.stats_due(now=not self.core.has_unfinished))
@@ -130,6 +141,10 @@ class RankLoop:
             elif isinstance(msg, Wake):
                 if self.lockstep and not self.in_wave and msg.wave >= self.wave:
                     self.in_wave = True
+            elif isinstance(msg, Reform):
+                self.reform(msg.generation)
+            elif isinstance(msg, Fault) and msg.kind in RANK_FAULTS:
+                act_out(msg.kind, self.parent)
             elif isinstance(msg, Fault):
                 try:
                     self.core.inject_fault(msg)
@@ -137,6 +152,28 @@ class RankLoop:
                     print(f"rank {self.rank}: fault ignored: {exc}", file=sys.stderr, flush=True)
             elif isinstance(msg, Shutdown):
                 self.running = False
+
+    def guarded_lockstep_step(self) -> None:
+        try:
+            self.lockstep_step()
+        except RuntimeError as exc:  # a peer died under a collective (gloo/NCCL report it so)
+            if not self.running:
+                raise
+            self.break_group(f"{type(exc).__name__}: {exc}")
+
+    def break_group(self, reason: str) -> None:
+        """Drop every request and wait, heartbeating, for the front end's Reform."""
+        reset_core(self.core)
+        self.broken, self.in_wave, self.stale_request, self.wave = True, False, False, 0
+        self.outputs.send(self.encoder.encode(GroupBroken(self.rank, self.incarnation, reason[:500])))
+
+    def reform(self, generation: int) -> None:
+        """Join group `generation` (engine/dp/reform.py), then report ready under a new incarnation."""
+        reset_core(self.core)
+        rejoin(self.core, self.core.config, self.rank, generation)
+        self.broken, self.in_wave, self.stale_request, self.wave = False, False, False, 0
+        self.incarnation = new_incarnation()
+        self.inputs.send(self.encoder.encode(ready_message(self.core, self.incarnation)))
 
     def lockstep_step(self) -> None:
         core = self.core
@@ -197,39 +234,73 @@ def place_rank(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config.for_rank(rank), device=device)
 
 
-def run_rank(config: EngineConfig, rank: int) -> None:
-    """Entry point of a rank process."""
+def act_out(kind: str, launcher: int) -> None:
+    """kill_rank: SIGKILL to this process (no clean-up, as the OOM killer would). hang_rank: stop
+    stepping and reporting for good, as a wedged device would; the front end's wedge detection
+    must find it. A hung rank still leaves when its launcher does, so it cannot be orphaned."""
+    if kind == "kill_rank":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while os.getppid() == launcher:
+        time.sleep(HEARTBEAT_SECONDS)
+    os._exit(1)
+
+
+def ready_message(core: EngineCore, incarnation: int) -> RankReady:
+    return RankReady(core.rank, core.config.num_blocks, os.getpid(), core.runner.implementations(), incarnation)
+
+
+def wait_for_reform(inputs: zmq.Socket) -> int:
+    """A respawned lockstep rank's first message: the generation of the group it joins."""
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+    parent = os.getppid()
+    while True:
+        if inputs.poll(int(HEARTBEAT_SECONDS * 1000)):
+            msg = decoder.decode(inputs.recv())
+            if isinstance(msg, Reform):
+                return msg.generation
+            if isinstance(msg, Shutdown):
+                raise SystemExit(0)
+        elif os.getppid() != parent:
+            raise SystemExit(0)
+
+
+def run_rank(config: EngineConfig, rank: int, generation: int | None = 0) -> None:
+    """Entry point of a rank process. `generation`: the lockstep group it joins at once (start-up);
+    None for a respawned rank, which asks the front end (RankJoining) and waits for a Reform."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when ranks stop
     config = config.for_rank(rank)
     torch.set_num_threads(config.num_threads or default_threads(config))
     ctx = zmq.Context()
-    input_addr, output_addr, dist_addr = endpoints(config)
+    input_addr, output_addr, _ = endpoints(config)
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 2000)
     outputs.connect(output_addr)
     inputs = None
+    incarnation = new_incarnation()
     try:
         config = place_rank(config, rank)  # refused here too, reported as RankFailed
         if config.device != "cpu":
             torch.cuda.set_device(config.device)  # kernels, NCCL and current_device() follow it
-        size = config.parallel.data_parallel_size
-        if size > 1:
-            dist.init_process_group(process_group_backend(config.device), init_method=dist_addr, rank=rank,
-                                    world_size=size, timeout=datetime.timedelta(seconds=120))
+        inputs = ctx.socket(zmq.DEALER)
+        inputs.setsockopt(zmq.IDENTITY, rank_identity(rank))
+        inputs.setsockopt(zmq.LINGER, 0)
+        inputs.connect(input_addr)
+        if config.lockstep:
+            if generation is None:
+                inputs.send(msgspec.msgpack.encode(RankJoining(rank, incarnation)))
+                generation = wait_for_reform(inputs)
+            join_group(config, rank, generation)
         core = EngineCore(config)
         # Everything built so far (model, torch and library objects) lives as long as the
         # process: freeze it, so the collector stops re-walking it in every full
         # collection (seen at ~5% of a busy rank's time), as vLLM does.
         gc.collect()
         gc.freeze()
-        inputs = ctx.socket(zmq.DEALER)
-        inputs.setsockopt(zmq.IDENTITY, rank_identity(rank))
-        inputs.setsockopt(zmq.LINGER, 0)
-        inputs.connect(input_addr)
         # Sent on the DEALER so that, once the front end sees it, its ROUTER can route to us.
-        ready = RankReady(rank, config.num_blocks, os.getpid(), core.runner.implementations())
-        inputs.send(msgspec.msgpack.encode(ready))
-        RankLoop(core, inputs, outputs, lockstep=config.lockstep).run()
+        inputs.send(msgspec.msgpack.encode(ready_message(core, incarnation)))
+        RankLoop(core, inputs, outputs, lockstep=config.lockstep, incarnation=incarnation).run()
+    except SystemExit:
+        os._exit(0)
     except BaseException as exc:  # report why, then die: the group must not hang on us
         if inputs is not None and _shutdown_pending(inputs):
             os._exit(0)  # a peer left first because the front end is stopping us all
@@ -241,8 +312,4 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         finally:
             os._exit(1)
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        leave_group()

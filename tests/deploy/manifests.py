@@ -59,6 +59,8 @@ KNOWN_METRICS = {
     "kvsentry_time_to_first_token_seconds", "kvsentry_inter_token_latency_seconds",
     "kvsentry_e2e_request_latency_seconds", "kvsentry_request_queue_time_seconds",
     "kvsentry_http_requests_total", "kvsentry_http_request_duration_seconds",
+    "kvsentry_rank_restarts_total", "kvsentry_requests_requeued_total",
+    "kvsentry_requests_failed_by_rank_death_total", "kvsentry_live_ranks",
 }
 
 

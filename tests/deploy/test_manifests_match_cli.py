@@ -60,10 +60,13 @@ def exported_metrics() -> set[str]:
     import msgspec
     from prometheus_client.parser import text_string_to_metric_families
 
+    from engine.dp.supervision import SupervisionCounters
     from engine.messages import StepStats
     from service.metrics import Metrics
     idle = StepStats(**{f.name: 0 for f in msgspec.structs.fields(StepStats) if f.required})
-    text = Metrics("m", lambda: {0: idle}).render().decode()
+    metrics = Metrics("m", lambda: {0: idle})
+    metrics.watch_supervision(lambda: SupervisionCounters(ranks=(0,)))  # as service/state.py does
+    text = metrics.render().decode()
     return {f.name + "_total" if f.type == "counter" else f.name for f in text_string_to_metric_families(text)}
 
 

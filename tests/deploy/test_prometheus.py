@@ -17,7 +17,7 @@ RUNBOOK = DEPLOY / "RUNBOOK.md"
 DASHBOARD = DEPLOY / "grafana" / "kvsentry.json"
 REQUIRED_ALERTS = {"KVCacheNaNDetected", "KVCacheNullBlockWritten", "CorruptedRequests",
                    "KVCacheChecksumMismatch", "KVCacheForeignWrite",
-                   "KVSentryDown", "HighQueueWait"}
+                   "KVSentryDown", "HighQueueWait", "KVSentryRankRestarting"}
 
 
 def alert_rules() -> list[dict]:

@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.dp import client as dp_client
 from engine.dp.async_client import AsyncEngineClient
+from engine.dp.headless import run_headless
 from engine.placement import (check_device_name, check_placement, process_group_backend, rank_device,
                                  visible_cuda_devices)
 from engine.dp.rank import place_rank
@@ -157,7 +158,7 @@ def test_clients_refuse_before_spawning(cpu_config, gpus, no_spawn, visible, dev
     with pytest.raises(ValueError, match=match):
         AsyncEngineClient(config)
     with pytest.raises(ValueError, match=match):
-        dp_client.run_headless(config)
+        run_headless(config)
 
 
 def test_clients_accept_one_gpu_per_local_rank(cpu_config, gpus, monkeypatch):

@@ -1,5 +1,5 @@
 """DP=2 over HTTP with a MoE model (ranks in lockstep, expert parallel): the text equals a
-single-rank offline run; killing a rank fails in-flight requests and the server exits non-zero."""
+single-rank offline run; killing a rank fails its streaming request and the group re-forms."""
 from __future__ import annotations
 
 import json
@@ -70,7 +70,11 @@ def test_nan_policy_fail_takes_the_server_out_of_rotation(dp_server):
     assert httpx.get(f"{dp_server.url}/health").status_code == 200  # out of rotation, not restarted
 
 
-def test_killing_a_rank_fails_requests_and_exits_nonzero(dp_server):
+def test_killing_a_rank_fails_its_stream_and_the_group_re_forms(dp_server):
+    """SIGKILL from outside (as the OOM killer would) to a rank under a streaming request: the
+    stream ends with finish_reason "error" and an error event, the server stays healthy, the
+    lockstep group re-forms with a respawned rank and serves again (tests/service/
+    test_rank_faults.py covers the load, the re-queue and the outputs)."""
     ranks = dp_server.rank_pids()
     assert len(ranks) == 2, ranks
     body = {"model": "moe", "prompt": "x", "max_tokens": 400, "ignore_eos": True}
@@ -88,13 +92,12 @@ def test_killing_a_rank_fails_requests_and_exits_nonzero(dp_server):
     assert events[-1] == "[DONE]"
     assert "error" in events[-2], events[-3:]
     assert events[-3]["choices"][0]["finish_reason"] == "error"
-    # The server keeps answering for service.server.FATAL_GRACE_SECONDS (1 s) after the failed
-    # stream ended, so that failed requests get their errors out: unhealthy, refusing work.
-    health = httpx.get(f"{dp_server.url}/health", timeout=5)
-    assert health.status_code == 503, health.text
-    assert "DP rank" in health.json()["error"]["message"], health.text
-    refused = httpx.post(f"{dp_server.url}/v1/completions", json=body, timeout=5)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead", refused.text
-    assert dp_server.wait(timeout=30) == 1
+    assert httpx.get(f"{dp_server.url}/health", timeout=5).status_code == 200
+    dp_server.wait_ready(timeout=120)
+    assert dp_server.proc.poll() is None
+    new_ranks = dp_server.rank_pids()
+    assert len(new_ranks) == 2 and ranks[0] in new_ranks and ranks[1] not in new_ranks, (ranks, new_ranks)
+    text = dp_server.openai().completions.create(model="moe", prompt="1 2 3", max_tokens=4).choices[0].text
+    assert isinstance(text, str)
     log = [json.loads(line) for line in dp_server.log_text().splitlines() if line.startswith("{")]
-    assert any(e.get("event") == "engine_dead" and "rank" in e.get("reason", "") for e in log)
+    assert any("re-formed" in e.get("msg", "") for e in log)
