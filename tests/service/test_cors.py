@@ -141,6 +141,7 @@ def test_a_preflight_needs_no_key_and_an_other_origin_gets_no_cors_headers(cors_
     ok = httpx.options(f"{cors_server.url}/v1/completions", headers={"Origin": allowed.origin, **preflight})
     assert ok.status_code in (200, 204)
     assert ok.headers["access-control-allow-origin"] == allowed.origin
+    assert "access-control-allow-credentials" not in ok.headers  # no --allow-credentials
     refused = httpx.options(f"{cors_server.url}/v1/completions", headers={"Origin": other.origin, **preflight})
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
 
