@@ -138,22 +138,23 @@ class RequestTracer:
 
 def rank_attributes(timings: list[RequestTiming]) -> dict:
     """Queue, prefill and decode times from the ranks' stamps. A request of several samples
-    (n > 1, or several prompts) reports the longest of each: the one that held the request up."""
+    (n > 1, or several prompts) is measured as a whole: queued until its first sample was
+    scheduled, prefilling until its first token, decoding until its last."""
     attributes: dict = {}
     ranks = sorted({t.rank for t in timings})
     if len(ranks) == 1:
         attributes["kvsentry.dp_rank"] = ranks[0]
     elif ranks:
         attributes["kvsentry.dp_ranks"] = ranks
-    spans = {
-        "gen_ai.latency.time_in_queue": [t.scheduled for t in timings if t.scheduled is not None],
-        "gen_ai.latency.time_in_model_prefill": [t.first_token - t.scheduled for t in timings
-                                                 if t.first_token is not None and t.scheduled is not None],
-        "gen_ai.latency.time_in_model_decode": [t.last_token - t.first_token for t in timings
-                                                if t.last_token is not None and t.first_token is not None],
-        "gen_ai.latency.time_in_model_inference": [t.last_token - t.scheduled for t in timings
-                                                   if t.last_token is not None and t.scheduled is not None],
-    }
-    attributes.update({name: max(values) for name, values in spans.items() if values})
+    scheduled = min((t.scheduled for t in timings if t.scheduled is not None), default=None)
+    first_token = min((t.first_token for t in timings if t.first_token is not None), default=None)
+    last_token = max((t.last_token for t in timings if t.last_token is not None), default=None)
+    if scheduled is not None:
+        attributes["gen_ai.latency.time_in_queue"] = scheduled
+    if scheduled is not None and first_token is not None:
+        attributes["gen_ai.latency.time_in_model_prefill"] = first_token - scheduled
+    if first_token is not None and last_token is not None:
+        attributes["gen_ai.latency.time_in_model_decode"] = last_token - first_token
+    if scheduled is not None and last_token is not None:
+        attributes["gen_ai.latency.time_in_model_inference"] = last_token - scheduled
     return attributes
-

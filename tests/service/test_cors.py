@@ -12,7 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from engine.config import EngineConfig
+from fastapi.testclient import TestClient
+from service.app import build_app
 from service.cli import parse_args
+from service.state import AppState, ServeSettings
 from tests.service.browser import Browser, chromium_binary
 from tests.service.server_process import API_KEY, ServerProcess
 
@@ -141,22 +145,33 @@ def test_a_preflight_needs_no_key_and_an_other_origin_gets_no_cors_headers(cors_
     ok = httpx.options(f"{cors_server.url}/v1/completions", headers={"Origin": allowed.origin, **preflight})
     assert ok.status_code in (200, 204)
     assert ok.headers["access-control-allow-origin"] == allowed.origin
+    assert "access-control-allow-credentials" not in ok.headers  # no --allow-credentials
     refused = httpx.options(f"{cors_server.url}/v1/completions", headers={"Origin": other.origin, **preflight})
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
 
 
-def test_cors_is_off_by_default(http, server):
-    """The session server has no --allowed-origins: no CORS headers, and a preflight gets the
-    route's 405 without being asked for the key (never 401)."""
+class IdleEngine:
+    """Enough of an engine client for routes that never reach a rank (/v1/models, refusals)."""
+    ready, dead_reason, num_unfinished, last_progress = True, None, 0, 0.0
+    stats: dict = {}
+    op_implementations: dict = {}
+
+
+def test_cors_is_off_by_default(llama_path):
+    """No --allowed-origins: no CORS headers, and a preflight gets the route's 405 without
+    being asked for the key (never 401); the request itself still needs it."""
+    config = EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="4MiB")
+    app = build_app(AppState(config, IdleEngine(), ServeSettings(served_model_names=(MODEL,), api_key=API_KEY)))
+    http = TestClient(app)
     origin = {"Origin": "http://127.0.0.1:9"}
-    response = http.get("/v1/models", headers=origin)
+    response = http.get("/v1/models", headers={**origin, "Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 200
     assert not [h for h in response.headers if h.startswith("access-control-")]
-    preflight = httpx.options(f"{server.url}/v1/completions", headers={**origin,
-                                                                      "Access-Control-Request-Method": "POST"})
+    preflight = http.options("/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 405
     assert not [h for h in preflight.headers if h.startswith("access-control-")]
-    assert httpx.post(f"{server.url}/v1/completions", headers=origin, json={}).status_code == 401
+    assert http.options("/v1/completions", headers=origin).status_code == 401  # not a preflight
+    assert http.post("/v1/completions", headers=origin, json={}).status_code == 401
 
 
 @pytest.mark.parametrize("argv, message", [

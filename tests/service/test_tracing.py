@@ -6,6 +6,7 @@ the prompt nor the output text leaves the server."""
 from __future__ import annotations
 
 import gzip
+from concurrent import futures
 import os
 import subprocess
 import sys
@@ -26,12 +27,37 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 SPAN_WAIT_SECONDS = 60.0
 
 
-class Receiver:
-    """An OTLP/HTTP trace receiver on 127.0.0.1: POST /v1/traces, protobuf bodies."""
+class SpanSink:
+    """The spans an OTLP receiver got, as (resource, span) pairs."""
 
     def __init__(self):
         self.spans: list = []
         self.lock = threading.Lock()
+
+    def add(self, request) -> None:
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    self.spans += [(resource_spans.resource, span) for span in scope_spans.spans]
+
+    def span_of(self, request_id: str):
+        """(resource, span) whose gen_ai.request.id is `request_id`, once it arrives."""
+        deadline = time.monotonic() + SPAN_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            with self.lock:
+                found = [(r, s) for r, s in self.spans if attributes(s).get("gen_ai.request.id") == request_id]
+            if found:
+                assert len(found) == 1, f"{len(found)} spans for {request_id}"
+                return found[0]
+            time.sleep(0.1)
+        raise AssertionError(f"no span for {request_id} within {SPAN_WAIT_SECONDS}s; got {len(self.spans)} spans")
+
+
+class Receiver(SpanSink):
+    """An OTLP/HTTP trace receiver on 127.0.0.1: POST /v1/traces, protobuf bodies."""
+
+    def __init__(self):
+        super().__init__()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,11 +69,7 @@ class Receiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-                with receiver.lock:
-                    for resource_spans in request.resource_spans:
-                        for scope_spans in resource_spans.scope_spans:
-                            receiver.spans += [(resource_spans.resource, span) for span in scope_spans.spans]
+                receiver.add(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
                 reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -66,21 +88,33 @@ class Receiver:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def span_of(self, request_id: str):
-        """(resource, span) whose gen_ai.request.id is `request_id`, once it arrives."""
-        deadline = time.monotonic() + SPAN_WAIT_SECONDS
-        while time.monotonic() < deadline:
-            with self.lock:
-                found = [(r, s) for r, s in self.spans if attributes(s).get("gen_ai.request.id") == request_id]
-            if found:
-                assert len(found) == 1, f"{len(found)} spans for {request_id}"
-                return found[0]
-            time.sleep(0.1)
-        raise AssertionError(f"no span for {request_id} within {SPAN_WAIT_SECONDS}s; got {len(self.spans)} spans")
-
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class GrpcReceiver(SpanSink):
+    """An OTLP/gRPC trace receiver on 127.0.0.1 (the collector's TraceService)."""
+
+    def __init__(self):
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        super().__init__()
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                receiver.add(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(grace=None)
 
 
 def value(any_value):
@@ -180,6 +214,33 @@ def test_the_dp_rank_is_the_rank_that_served(traced_server, receiver):
     ids = [client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=2).id for i in range(4)]
     ranks = {attributes(receiver.span_of(request_id)[1])["kvsentry.dp_rank"] for request_id in ids}
     assert ranks == {0, 1}
+
+
+def test_grpc_endpoints_export_over_grpc(llama_path, tmp_path_factory):
+    receiver = GrpcReceiver()
+    proc = ServerProcess(llama_path, "--served-model-name", MODEL, "--threads", "1", "--max-model-len", "512",
+                         "--otlp-traces-endpoint", f"grpc://127.0.0.1:{receiver.port}",
+                         log_dir=tmp_path_factory.mktemp("tracing-grpc-logs"), env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
+    try:
+        proc.wait_ready()
+        client = proc.openai()
+        # A client that chose not to sample its trace (flags 00) gets no span from the server either.
+        unsampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_headers={
+            "traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-00"})
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=3, n=2, temperature=1.0, seed=5,
+            extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"})
+        resource, span = receiver.span_of(response.id)
+        # Spans are exported in the order they ended: the unsampled one would have come first.
+        assert not [s for _, s in receiver.spans if attributes(s)["gen_ai.request.id"] == unsampled.id]
+    finally:
+        proc.stop()
+        receiver.close()
+    assert span.trace_id.hex() == CLIENT_TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN_ID
+    finish = {c.finish_reason for c in response.choices}
+    assert len(finish) == 1
+    attrs = check_span(span, resource, response.id, response.usage, finish.pop(), [PROMPT])
+    assert attrs["gen_ai.request.n"] == 2 and attrs["kvsentry.dp_rank"] == 0
 
 
 def test_without_the_flag_the_sdk_is_never_imported():
