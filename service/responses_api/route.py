@@ -23,7 +23,7 @@ from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_i
 from service.responses_api.convert import chat_request, in_responses_terms, input_messages, output_messages
 from service.responses_api.output import (final_status, new_id, output_items, reasoning_tokens, response_object,
                                           usage)
-from service.responses_api.protocol import ResponsesRequest
+from service.responses_api.protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
 from service.sse import SSEResponse
@@ -80,7 +80,7 @@ def output_plan(state: AppState, chat: ChatCompletionRequest):
     return plan, structured, reasoning
 
 
-@router.post(ROUTE, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
+@router.post(ROUTE, response_model=ResponseObject, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: AppState = request.app.state.kvsentry
     store = _store(request)
@@ -171,7 +171,7 @@ async def _stream(state: AppState, generation: Generation, body: ResponsesReques
         yield events.event("response.failed", response=snapshot("failed", error=error))
 
 
-@router.get(ROUTE + "/{response_id}", responses={**ERROR_RESPONSES, **NOT_FOUND})
+@router.get(ROUTE + "/{response_id}", response_model=ResponseObject, responses={**ERROR_RESPONSES, **NOT_FOUND})
 async def get_response(response_id: str, request: Request) -> JSONResponse:
     entry = _store(request).get(response_id)
     if entry is None:
@@ -179,14 +179,16 @@ async def get_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse(entry.response)
 
 
-@router.delete(ROUTE + "/{response_id}", responses={**ERROR_RESPONSES, **NOT_FOUND})
+@router.delete(ROUTE + "/{response_id}", response_model=DeletedResponse,
+               responses={**ERROR_RESPONSES, **NOT_FOUND})
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
     if not _store(request).delete(response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-@router.post(ROUTE + "/{response_id}/cancel", responses={**ERROR_RESPONSES, **NOT_FOUND})
+@router.post(ROUTE + "/{response_id}/cancel", response_model=ResponseObject,
+             responses={**ERROR_RESPONSES, **NOT_FOUND})
 async def cancel_response(response_id: str, request: Request) -> JSONResponse:
     """Only a background response can be cancelled (OpenAI's rule), and kvsentry runs none: a stored
     response has finished."""

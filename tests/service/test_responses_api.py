@@ -193,6 +193,7 @@ def test_unstored_unknown_and_deleted_ids_are_4xx(openai_client):
 
 BAD = [  # (body fields over {"input": "Hi"}, the param the 400 names)
     ({"foo": 1}, "foo"),
+    ({"": 1}, '""'),
     ({"input": [{"role": "user", "content": "Hi", "foo": 1}]}, "input.0.foo"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
