@@ -8,6 +8,7 @@ max_output_tokens cut the output short.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 from service.protocol import UsageInfo
 from service.reasoning import split_reasoning
@@ -71,10 +72,16 @@ def usage(counts: UsageInfo, reasoning_tokens: int = 0) -> dict:
             "total_tokens": counts.total_tokens}
 
 
-def reasoning_tokens(items: list[dict], count_tokens) -> int:
-    """The output tokens that were thinking (the reasoning text re-encoded)."""
-    return sum(count_tokens(part["text"]) for item in items if item["type"] == "reasoning"
-               for part in item["content"])
+def reasoning_tokens(items: list[dict], token_ids: Sequence[int], end_ids: Sequence[int]) -> int:
+    """The output tokens of the thinking: up to and including the first closing tag (`end_ids`,
+    its encoding), or all of them when the model never closed it; 0 without a reasoning item."""
+    if not any(item["type"] == "reasoning" for item in items):
+        return 0
+    end, width = tuple(end_ids), len(end_ids)
+    for start in range(len(token_ids) - width + 1):
+        if tuple(token_ids[start:start + width]) == end:
+            return start + width
+    return len(token_ids)
 
 
 def response_object(body: ResponsesRequest, response_id: str, created: int, model: str, status: str,

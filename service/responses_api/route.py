@@ -18,7 +18,7 @@ from service.chat_render import render_chat
 from service.errors import APIError, bad_request
 from service.generate import EngineFailed, Generation, complete, request_params
 from service.protocol import ChatCompletionRequest
-from service.reasoning import ReasoningStream
+from service.reasoning import THINK_END, ReasoningStream
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
 from service.responses_api.convert import chat_request, in_responses_terms, input_messages, output_messages
 from service.responses_api.output import (final_status, new_id, output_items, reasoning_tokens, response_object,
@@ -116,13 +116,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     sample = generation.states[0].samples[0]
     items = output_items(sample.text, reasoning, plan, sample.finish_reason)
     status, incomplete = final_status(sample.finish_reason)
+    thinking = reasoning_tokens(items, sample.token_ids, _think_end(state))
     response = response_object(body, generation.request_id, created, state.model_name, status, items,
-                               usage(generation.usage(), reasoning_tokens(items, _counter(state))), incomplete)
+                               usage(generation.usage(), thinking), incomplete)
     return JSONResponse(finished(response))
 
 
-def _counter(state: AppState) -> Callable[[str], int]:
-    return lambda text: len(state.tokenizer.encode(text, add_special_tokens=False))
+def _think_end(state: AppState) -> list[int]:
+    return state.tokenizer.encode(THINK_END, add_special_tokens=False)
 
 
 async def _stream(state: AppState, generation: Generation, body: ResponsesRequest, created: int,
@@ -162,7 +163,7 @@ async def _stream(state: AppState, generation: Generation, body: ResponsesReques
                 yield "".join(out)
         status, incomplete = final_status(sample.finish_reason)
         yield "".join(events.finish(status))
-        tokens = reasoning_tokens(events.output, _counter(state))
+        tokens = reasoning_tokens(events.output, sample.token_ids, _think_end(state))
         response = finished(snapshot(status, usage_out=usage(generation.usage(), tokens), incomplete=incomplete))
         yield events.event("response.completed", response=response)
     except EngineFailed as exc:

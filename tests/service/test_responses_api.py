@@ -21,6 +21,7 @@ from service.responses_api.route import ROUTE
 from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
 from tests.service.conftest import MAIN_MODEL_NAME as MODEL
+from tests.service.server_process import ServerProcess
 
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer"}},
           "required": ["answer", "count"], "additionalProperties": False}
@@ -244,6 +245,48 @@ def test_other_bad_requests_are_4xx_never_5xx(server, http):
     long = http.post(ROUTE, json={"model": MODEL, "input": "word " * 5000, "max_output_tokens": 1})
     assert long.status_code == 400 and long.json()["error"]["param"] == "input"
     server.wait_idle()
+
+
+def test_counted_in_the_http_metrics(server, openai_client):
+    before = sum(server.metric("kvsentry_http_requests_total", route=ROUTE, status="200"))
+    openai_client.responses.create(input="Hi", max_output_tokens=1, **greedy())
+    assert sum(server.metric("kvsentry_http_requests_total", route=ROUTE, status="200")) == before + 1
+
+
+@pytest.fixture(scope="module")
+def thinking(llama_path, tmp_path_factory):
+    """tiny-llama with the deepseek_r1 reasoning parser: it never writes </think>, so its whole
+    output is thinking (a reasoning item and no message)."""
+    proc = ServerProcess(llama_path, "--served-model-name", MODEL, "--threads", "1", "--max-model-len", "1024",
+                         "--reasoning-parser", "deepseek_r1", log_dir=tmp_path_factory.mktemp("logs"))
+    try:
+        yield proc.wait_ready().openai()
+    finally:
+        proc.stop()
+
+
+def test_reasoning_items_whole_and_streamed(thinking):
+    kwargs = greedy(input="Hello, my name is", max_output_tokens=8, extra_body={"ignore_eos": True})
+    whole = thinking.responses.create(**kwargs)
+    [item] = whole.output
+    assert item.type == "reasoning" and item.content[0].type == "reasoning_text" and item.content[0].text
+    assert whole.output_text == "" and whole.status == "incomplete"
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 8
+    events = list(thinking.responses.create(stream=True, **kwargs))
+    assert re.fullmatch(r"response\.created response\.in_progress response\.output_item\.added "
+                        r"response\.content_part\.added (response\.reasoning_text\.delta )+"
+                        r"response\.reasoning_text\.done response\.content_part\.done response\.output_item\.done "
+                        r"response\.completed ", event_types(events)), event_types(events)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == events[-1].response.output[0].content[0].text == item.content[0].text
+    with thinking.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].content[0].text == item.content[0].text
+    # The reasoning item goes back as it came: it is the thinking of the assistant turn after it.
+    again = thinking.responses.create(input=[{"role": "user", "content": "Hi"}, *whole.output,
+                                             {"role": "assistant", "content": "Hello"},
+                                             {"role": "user", "content": "Bye"}], max_output_tokens=1, **greedy())
+    assert again.status == "incomplete"
 
 
 # -- the pieces, without a server ------------------------------------------------------------------
