@@ -84,10 +84,11 @@ def reasoning_tokens(items: list[dict], token_ids: Sequence[int], end_ids: Seque
     return len(token_ids)
 
 
-def response_object(body: ResponsesRequest, response_id: str, created: int, model: str, status: str,
+def response_object(body: ResponsesRequest, response_id: str, created: int, model: str, stored: bool, status: str,
                     output: list[dict], usage_out: dict | None = None, incomplete: dict | None = None,
                     error: dict | None = None) -> dict:
-    """The response object: the request's settings echoed back, as OpenAI's does."""
+    """The response object: the request's settings echoed back, as OpenAI's does; `stored`: kept
+    for previous_response_id and GET."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
     text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
     choice = body.tool_choice or ("auto" if body.tools else "none")
@@ -101,5 +102,5 @@ def response_object(body: ResponsesRequest, response_id: str, created: int, mode
         "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
         "reasoning": body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
         "text": text, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
-        "store": body.store is not False, "background": False, "service_tier": body.service_tier or "default",
+        "store": stored, "background": False, "service_tier": body.service_tier or "default",
     }

@@ -102,14 +102,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     kept = body.store is not False and store.capacity > 0
 
     def finished(response: dict) -> dict:
-        response["store"] = kept
         if kept:
             messages = conversation + output_messages(response["output"], conversation)
             store.put(response["id"], response, messages)
         return response
 
     if body.stream:
-        events = _stream(state, generation, body, created, plan, reasoning, finished)
+        events = _stream(state, generation, body, created, kept, plan, reasoning, finished)
         return SSEResponse(events, on_close=generation.close_stream)
     if not await complete(request, generation):
         return Response(status_code=499)
@@ -117,7 +116,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     items = output_items(sample.text, reasoning, plan, sample.finish_reason)
     status, incomplete = final_status(sample.finish_reason)
     thinking = reasoning_tokens(items, sample.token_ids, _think_end(state))
-    response = response_object(body, generation.request_id, created, state.model_name, status, items,
+    response = response_object(body, generation.request_id, created, state.model_name, kept, status, items,
                                usage(generation.usage(), thinking), incomplete)
     return JSONResponse(finished(response))
 
@@ -126,13 +125,13 @@ def _think_end(state: AppState) -> list[int]:
     return state.tokenizer.encode(THINK_END, add_special_tokens=False)
 
 
-async def _stream(state: AppState, generation: Generation, body: ResponsesRequest, created: int,
+async def _stream(state: AppState, generation: Generation, body: ResponsesRequest, created: int, kept: bool,
                   plan: ToolPlan | None, reasoning: bool, finished: Callable[[dict], dict]) -> AsyncIterator[str]:
     events = OutputEvents()
 
     def snapshot(status: str, **extra) -> dict:
-        return response_object(body, generation.request_id, created, state.model_name, status, list(events.output),
-                               **extra)
+        return response_object(body, generation.request_id, created, state.model_name, kept, status,
+                               list(events.output), **extra)
 
     yield events.event("response.created", response=snapshot("in_progress"))
     yield events.event("response.in_progress", response=snapshot("in_progress"))

@@ -16,10 +16,13 @@ import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
+from service.cli import parse_args
+from service.errors import APIError
 from service.responses_api.protocol import ResponsesRequest
-from service.responses_api.route import ROUTE
+from service.responses_api.route import ROUTE, previous_messages
 from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
+from service.state import ServeSettings
 from tests.service.conftest import MAIN_MODEL_NAME as MODEL
 from tests.service.server_process import ServerProcess
 
@@ -324,6 +327,18 @@ def test_events_of_reasoning_text_and_calls_parse_as_openai_events():
     assert final.output[0].content[0].text == "Thinking." and final.output_text == "Hello"
     assert final.output[2].parsed_arguments == {"unit": "celsius"}
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+
+
+def test_a_server_that_keeps_nothing_says_so():
+    body = ResponsesRequest.model_validate({"input": "Hi", "previous_response_id": "resp_1"})
+    with pytest.raises(APIError) as error:
+        previous_messages(ResponseStore(0), body)
+    assert error.value.status == 400 and "--responses-store-size 0" in error.value.message
+    assert error.value.param == "previous_response_id"
+    assert parse_args(["serve", "--responses-store-size", "0"]).responses_store_size == 0
+    assert parse_args(["serve"]).responses_store_size == ServeSettings.responses_store_size
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--responses-store-size", "-1"])
 
 
 def test_request_model_refuses_what_it_does_not_take():
