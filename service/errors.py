@@ -108,7 +108,7 @@ def _full_path(loc: tuple) -> str | None:
 
 
 def _unrecognized(fields: list[str | None]) -> JSONResponse:
-    names = list(dict.fromkeys(name for name in fields if name))
+    names = list(dict.fromkeys(name for name in fields if name)) or ['""']  # {"": 1}: a key with no name
     plural = "s" if len(names) > 1 else ""
     return error_response(400, f"Unrecognized request argument{plural} supplied: {', '.join(names)}", names[0],
                           "unknown_parameter")

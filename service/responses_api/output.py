@@ -8,6 +8,7 @@ max_output_tokens cut the output short.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 from service.protocol import UsageInfo
 from service.reasoning import split_reasoning
@@ -71,16 +72,23 @@ def usage(counts: UsageInfo, reasoning_tokens: int = 0) -> dict:
             "total_tokens": counts.total_tokens}
 
 
-def reasoning_tokens(items: list[dict], count_tokens) -> int:
-    """The output tokens that were thinking (the reasoning text re-encoded)."""
-    return sum(count_tokens(part["text"]) for item in items if item["type"] == "reasoning"
-               for part in item["content"])
+def reasoning_tokens(items: list[dict], token_ids: Sequence[int], end_ids: Sequence[int]) -> int:
+    """The output tokens of the thinking: up to and including the first closing tag (`end_ids`,
+    its encoding), or all of them when the model never closed it; 0 without a reasoning item."""
+    if not any(item["type"] == "reasoning" for item in items):
+        return 0
+    end, width = tuple(end_ids), len(end_ids)
+    for start in range(len(token_ids) - width + 1):
+        if tuple(token_ids[start:start + width]) == end:
+            return start + width
+    return len(token_ids)
 
 
-def response_object(body: ResponsesRequest, response_id: str, created: int, model: str, status: str,
+def response_object(body: ResponsesRequest, response_id: str, created: int, model: str, stored: bool, status: str,
                     output: list[dict], usage_out: dict | None = None, incomplete: dict | None = None,
                     error: dict | None = None) -> dict:
-    """The response object: the request's settings echoed back, as OpenAI's does."""
+    """The response object: the request's settings echoed back, as OpenAI's does; `stored`: kept
+    for previous_response_id and GET."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
     text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
     choice = body.tool_choice or ("auto" if body.tools else "none")
@@ -94,5 +102,5 @@ def response_object(body: ResponsesRequest, response_id: str, created: int, mode
         "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
         "reasoning": body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
         "text": text, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
-        "store": body.store is not False, "background": False, "service_tier": body.service_tier or "default",
+        "store": stored, "background": False, "service_tier": body.service_tier or "default",
     }

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
-from service.protocol import (ReasoningEffort, StrictRequest, StructuredOutputsRequest, Unsupported,
+from service.protocol import (ReasoningEffort, Response, StrictRequest, StructuredOutputsRequest, Unsupported,
                               engine_field)
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -198,3 +198,32 @@ class ResponsesRequest(StrictRequest):
     prompt: Unsupported = None
     conversation: Unsupported = None
     context_management: Unsupported = None
+
+
+# -- what comes back (documented for the OpenAPI schema; output.py builds the objects) ------------
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]   # cached_tokens
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens
+    total_tokens: int
+
+
+class ResponseObject(Response):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    output: list[dict[str, Any]]  # message, reasoning and function_call items
+    usage: ResponseUsage | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool

@@ -18,12 +18,12 @@ from service.chat_render import render_chat
 from service.errors import APIError, bad_request
 from service.generate import EngineFailed, Generation, complete, request_params
 from service.protocol import ChatCompletionRequest
-from service.reasoning import ReasoningStream
+from service.reasoning import THINK_END, ReasoningStream
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
 from service.responses_api.convert import chat_request, in_responses_terms, input_messages, output_messages
 from service.responses_api.output import (final_status, new_id, output_items, reasoning_tokens, response_object,
                                           usage)
-from service.responses_api.protocol import ResponsesRequest
+from service.responses_api.protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
 from service.sse import SSEResponse
@@ -80,7 +80,7 @@ def output_plan(state: AppState, chat: ChatCompletionRequest):
     return plan, structured, reasoning
 
 
-@router.post(ROUTE, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
+@router.post(ROUTE, response_model=ResponseObject, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: AppState = request.app.state.kvsentry
     store = _store(request)
@@ -102,36 +102,36 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     kept = body.store is not False and store.capacity > 0
 
     def finished(response: dict) -> dict:
-        response["store"] = kept
         if kept:
             messages = conversation + output_messages(response["output"], conversation)
             store.put(response["id"], response, messages)
         return response
 
     if body.stream:
-        events = _stream(state, generation, body, created, plan, reasoning, finished)
+        events = _stream(state, generation, body, created, kept, plan, reasoning, finished)
         return SSEResponse(events, on_close=generation.close_stream)
     if not await complete(request, generation):
         return Response(status_code=499)
     sample = generation.states[0].samples[0]
     items = output_items(sample.text, reasoning, plan, sample.finish_reason)
     status, incomplete = final_status(sample.finish_reason)
-    response = response_object(body, generation.request_id, created, state.model_name, status, items,
-                               usage(generation.usage(), reasoning_tokens(items, _counter(state))), incomplete)
+    thinking = reasoning_tokens(items, sample.token_ids, _think_end(state))
+    response = response_object(body, generation.request_id, created, state.model_name, kept, status, items,
+                               usage(generation.usage(), thinking), incomplete)
     return JSONResponse(finished(response))
 
 
-def _counter(state: AppState) -> Callable[[str], int]:
-    return lambda text: len(state.tokenizer.encode(text, add_special_tokens=False))
+def _think_end(state: AppState) -> list[int]:
+    return state.tokenizer.encode(THINK_END, add_special_tokens=False)
 
 
-async def _stream(state: AppState, generation: Generation, body: ResponsesRequest, created: int,
+async def _stream(state: AppState, generation: Generation, body: ResponsesRequest, created: int, kept: bool,
                   plan: ToolPlan | None, reasoning: bool, finished: Callable[[dict], dict]) -> AsyncIterator[str]:
     events = OutputEvents()
 
     def snapshot(status: str, **extra) -> dict:
-        return response_object(body, generation.request_id, created, state.model_name, status, list(events.output),
-                               **extra)
+        return response_object(body, generation.request_id, created, state.model_name, kept, status,
+                               list(events.output), **extra)
 
     yield events.event("response.created", response=snapshot("in_progress"))
     yield events.event("response.in_progress", response=snapshot("in_progress"))
@@ -162,7 +162,7 @@ async def _stream(state: AppState, generation: Generation, body: ResponsesReques
                 yield "".join(out)
         status, incomplete = final_status(sample.finish_reason)
         yield "".join(events.finish(status))
-        tokens = reasoning_tokens(events.output, _counter(state))
+        tokens = reasoning_tokens(events.output, sample.token_ids, _think_end(state))
         response = finished(snapshot(status, usage_out=usage(generation.usage(), tokens), incomplete=incomplete))
         yield events.event("response.completed", response=response)
     except EngineFailed as exc:
@@ -171,7 +171,7 @@ async def _stream(state: AppState, generation: Generation, body: ResponsesReques
         yield events.event("response.failed", response=snapshot("failed", error=error))
 
 
-@router.get(ROUTE + "/{response_id}", responses={**ERROR_RESPONSES, **NOT_FOUND})
+@router.get(ROUTE + "/{response_id}", response_model=ResponseObject, responses={**ERROR_RESPONSES, **NOT_FOUND})
 async def get_response(response_id: str, request: Request) -> JSONResponse:
     entry = _store(request).get(response_id)
     if entry is None:
@@ -179,14 +179,16 @@ async def get_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse(entry.response)
 
 
-@router.delete(ROUTE + "/{response_id}", responses={**ERROR_RESPONSES, **NOT_FOUND})
+@router.delete(ROUTE + "/{response_id}", response_model=DeletedResponse,
+               responses={**ERROR_RESPONSES, **NOT_FOUND})
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
     if not _store(request).delete(response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-@router.post(ROUTE + "/{response_id}/cancel", responses={**ERROR_RESPONSES, **NOT_FOUND})
+@router.post(ROUTE + "/{response_id}/cancel", response_model=ResponseObject,
+             responses={**ERROR_RESPONSES, **NOT_FOUND})
 async def cancel_response(response_id: str, request: Request) -> JSONResponse:
     """Only a background response can be cancelled (OpenAI's rule), and kvsentry runs none: a stored
     response has finished."""

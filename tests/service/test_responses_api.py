@@ -16,11 +16,15 @@ import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
+from service.cli import parse_args
+from service.errors import APIError
 from service.responses_api.protocol import ResponsesRequest
-from service.responses_api.route import ROUTE
+from service.responses_api.route import ROUTE, previous_messages
 from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
+from service.state import ServeSettings
 from tests.service.conftest import MAIN_MODEL_NAME as MODEL
+from tests.service.server_process import ServerProcess
 
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer"}},
           "required": ["answer", "count"], "additionalProperties": False}
@@ -193,6 +197,7 @@ def test_unstored_unknown_and_deleted_ids_are_4xx(openai_client):
 
 BAD = [  # (body fields over {"input": "Hi"}, the param the 400 names)
     ({"foo": 1}, "foo"),
+    ({"": 1}, '""'),
     ({"input": [{"role": "user", "content": "Hi", "foo": 1}]}, "input.0.foo"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
@@ -245,6 +250,48 @@ def test_other_bad_requests_are_4xx_never_5xx(server, http):
     server.wait_idle()
 
 
+def test_counted_in_the_http_metrics(server, openai_client):
+    before = sum(server.metric("kvsentry_http_requests_total", route=ROUTE, status="200"))
+    openai_client.responses.create(input="Hi", max_output_tokens=1, **greedy())
+    assert sum(server.metric("kvsentry_http_requests_total", route=ROUTE, status="200")) == before + 1
+
+
+@pytest.fixture(scope="module")
+def thinking(llama_path, tmp_path_factory):
+    """tiny-llama with the deepseek_r1 reasoning parser: it never writes </think>, so its whole
+    output is thinking (a reasoning item and no message)."""
+    proc = ServerProcess(llama_path, "--served-model-name", MODEL, "--threads", "1", "--max-model-len", "1024",
+                         "--reasoning-parser", "deepseek_r1", log_dir=tmp_path_factory.mktemp("logs"))
+    try:
+        yield proc.wait_ready().openai()
+    finally:
+        proc.stop()
+
+
+def test_reasoning_items_whole_and_streamed(thinking):
+    kwargs = greedy(input="Hello, my name is", max_output_tokens=8, extra_body={"ignore_eos": True})
+    whole = thinking.responses.create(**kwargs)
+    [item] = whole.output
+    assert item.type == "reasoning" and item.content[0].type == "reasoning_text" and item.content[0].text
+    assert whole.output_text == "" and whole.status == "incomplete"
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 8
+    events = list(thinking.responses.create(stream=True, **kwargs))
+    assert re.fullmatch(r"response\.created response\.in_progress response\.output_item\.added "
+                        r"response\.content_part\.added (response\.reasoning_text\.delta )+"
+                        r"response\.reasoning_text\.done response\.content_part\.done response\.output_item\.done "
+                        r"response\.completed ", event_types(events)), event_types(events)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == events[-1].response.output[0].content[0].text == item.content[0].text
+    with thinking.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].content[0].text == item.content[0].text
+    # The reasoning item goes back as it came: it is the thinking of the assistant turn after it.
+    again = thinking.responses.create(input=[{"role": "user", "content": "Hi"}, *whole.output,
+                                             {"role": "assistant", "content": "Hello"},
+                                             {"role": "user", "content": "Bye"}], max_output_tokens=1, **greedy())
+    assert again.status == "incomplete"
+
+
 # -- the pieces, without a server ------------------------------------------------------------------
 def test_store_keeps_the_most_recently_used():
     store = ResponseStore(2)
@@ -280,6 +327,18 @@ def test_events_of_reasoning_text_and_calls_parse_as_openai_events():
     assert final.output[0].content[0].text == "Thinking." and final.output_text == "Hello"
     assert final.output[2].parsed_arguments == {"unit": "celsius"}
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+
+
+def test_a_server_that_keeps_nothing_says_so():
+    body = ResponsesRequest.model_validate({"input": "Hi", "previous_response_id": "resp_1"})
+    with pytest.raises(APIError) as error:
+        previous_messages(ResponseStore(0), body)
+    assert error.value.status == 400 and "--responses-store-size 0" in error.value.message
+    assert error.value.param == "previous_response_id"
+    assert parse_args(["serve", "--responses-store-size", "0"]).responses_store_size == 0
+    assert parse_args(["serve"]).responses_store_size == ServeSettings.responses_store_size
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--responses-store-size", "-1"])
 
 
 def test_request_model_refuses_what_it_does_not_take():
