@@ -7,7 +7,8 @@ KV cache sized for --fit of them at once (the rest wait, some are preempted); af
 step one interactive request arrives at priority 0. The same workload runs under
 --scheduling-policy fcfs (priorities ignored) and priority. Reported per policy: the interactive
 request's time to first token (seconds and steps after it arrived) and end to end, the batch's
-median time to first token, the whole run's tokens/s and preemptions. The order changes no token:
+median time to first token, the whole run's tokens/s, steps and preemptions (on a shared machine
+compare steps: the same work in the same number of steps is the same throughput). The order changes no token:
 every request's greedy output must be the same under both policies (exit 1 if not). The verdict
 passes when, besides, the interactive request's first token comes sooner under priority.
 """
@@ -104,7 +105,7 @@ def main() -> None:
           f"x {args.interactive_tokens} new tokens after step 1; {args.threads} thread(s), {args.dtype}")
     columns = {"interactive_ttft_s": "ttft s", "interactive_ttft_steps": "ttft steps", "interactive_e2e_s": "e2e s",
                "batch_median_ttft_s": "batch ttft s", "batch_ahead_of_interactive": "batch ahead",
-               "tokens_per_s": "tok/s", "preemptions": "preempted"}
+               "tokens_per_s": "tok/s", "steps": "steps", "preemptions": "preempted"}
     print(f"{'policy':<9}" + "".join(f"{label:>13}" for label in columns.values()) + "   (ttft, e2e, ahead: interactive)")
     for policy, r in results.items():
         print(f"{policy:<9}" + "".join(f"{r[c]:>13}" for c in columns))
