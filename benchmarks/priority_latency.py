@@ -8,7 +8,7 @@ step one interactive request arrives at priority 0. The same workload runs under
 --scheduling-policy fcfs (priorities ignored) and priority. Reported per policy: the interactive
 request's time to first token (seconds and steps after it arrived) and end to end, the batch's
 median time to first token, the whole run's tokens/s, steps and preemptions (on a shared machine
-compare steps: the same work in the same number of steps is the same throughput). The order changes no token:
+the seconds move with the load, the step counts do not). The order changes no token:
 every request's greedy output must be the same under both policies (exit 1 if not). The verdict
 passes when, besides, the interactive request's first token comes sooner under priority.
 """
