@@ -282,6 +282,19 @@ def test_fcfs_refuses_a_priority_other_than_zero(ckpt):
         EngineConfig.create(ckpt, num_gpu_blocks=16, priority_aging_steps=-1)
 
 
+def test_offline_llm_takes_priorities(ckpt):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(ckpt, num_gpu_blocks=16, block_size=BS, max_model_len=128) as fcfs:
+        reference = [o.outputs[0].token_ids for o in fcfs.generate(PROMPTS[:2], params)]
+        with pytest.raises(InvalidRequest, match="fcfs"):
+            fcfs.generate(PROMPTS[:2], params, priority=[0, 1])
+    with LLM(ckpt, num_gpu_blocks=16, block_size=BS, max_model_len=128, scheduling_policy="priority") as llm:
+        outs = llm.generate(PROMPTS[:2], params, priority=[4, -4])
+        assert [o.outputs[0].token_ids for o in outs] == reference  # returned in prompt order
+        with pytest.raises(ValueError, match="one priority per prompt"):
+            llm.generate(PROMPTS[:2], params, priority=[1])
+
+
 def test_fcfs_queue_is_the_old_deque_order():
     queue = RequestQueue()
     a, b, c = preq("a", 9), preq("b", 0), preq("c", 5)
