@@ -49,15 +49,17 @@ class LLM:
             return list(prompt)
         raise ValueError("prompt: must be a string or a list of token ids")
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> EngineRequest:
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0) -> EngineRequest:
         token_ids = self.encode_prompt(prompt)
         return EngineRequest(request_id or str(next(self._ids)), token_ids, params,
-                             eos_token_id=self.tokenizer.eos_token_id, arrival_time=time.time())
+                             eos_token_id=self.tokenizer.eos_token_id, arrival_time=time.time(), priority=priority)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 rank_of: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; `rank_of` pins prompt i to DP rank rank_of[i] (DP only)."""
+                 rank_of: Sequence[int] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; `rank_of` pins prompt i to DP rank rank_of[i] (DP only);
+        `priority[i]` is prompt i's priority (vLLM's; needs scheduling_policy="priority")."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
@@ -66,7 +68,10 @@ class LLM:
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError("params: need one SamplingParams per prompt")
-        requests = [self.make_request(p, sp) for p, sp in zip(prompts, param_list)]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority: need one priority per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        requests = [self.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, param_list, priorities)]
         for request in requests:  # all or nothing: a bad prompt must not leave others running
             self.validate(request)
         states = {}

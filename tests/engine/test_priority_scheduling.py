@@ -4,9 +4,12 @@ bounded by --priority-aging-steps; fcfs unchanged and refusing priorities; DP ro
 ranks' waiting counts untouched by priorities."""
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
+from engine import LLM
 from engine.config import EngineConfig
 from engine.core.request_queue import PriorityRequestQueue, RequestQueue
 from engine.core.scheduler import Scheduler
@@ -16,6 +19,7 @@ from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineInput, EngineRequest
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from tests.engine.dp_helpers import Collected, free_port_block, make_prompts, request, wait_stats
 from tests.engine.test_scheduler import BS, PROMPTS, assert_all_free, fake_update, sched_config
 
 
@@ -278,6 +282,19 @@ def test_fcfs_refuses_a_priority_other_than_zero(ckpt):
         EngineConfig.create(ckpt, num_gpu_blocks=16, priority_aging_steps=-1)
 
 
+def test_offline_llm_takes_priorities(ckpt):
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(ckpt, num_gpu_blocks=16, block_size=BS, max_model_len=128) as fcfs:
+        reference = [o.outputs[0].token_ids for o in fcfs.generate(PROMPTS[:2], params)]
+        with pytest.raises(InvalidRequest, match="fcfs"):
+            fcfs.generate(PROMPTS[:2], params, priority=[0, 1])
+    with LLM(ckpt, num_gpu_blocks=16, block_size=BS, max_model_len=128, scheduling_policy="priority") as llm:
+        outs = llm.generate(PROMPTS[:2], params, priority=[4, -4])
+        assert [o.outputs[0].token_ids for o in outs] == reference  # returned in prompt order
+        with pytest.raises(ValueError, match="one priority per prompt"):
+            llm.generate(PROMPTS[:2], params, priority=[1])
+
+
 def test_fcfs_queue_is_the_old_deque_order():
     queue = RequestQueue()
     a, b, c = preq("a", 9), preq("b", 0), preq("c", 5)
@@ -298,3 +315,37 @@ def test_dp_routing_ignores_priority_and_the_rank_gets_it(ckpt):
         assert rank_a == rank_b  # least-loaded routing, as without priorities
         assert decoder.decode(payload).priority == i % 3 - 1
     assert plain.waiting == prioritised.waiting == [3, 3]
+
+
+def test_dp_ranks_each_order_their_own_queue(checkpoint):
+    # MoE at DP = 2: the ranks step in lockstep, the idle one on dummy batches.
+    llm = LLM(checkpoint("tiny-mixtral"), data_parallel_size=2, data_parallel_rpc_port=free_port_block(3),
+              max_model_len=1024, num_gpu_blocks=96, max_num_seqs=1, scheduling_policy="priority")
+    try:
+        engine = llm.engine
+        prompts = make_prompts(llm.config.model.vocab_size, lengths=(5, 6, 7, 8, 9), seed=3)
+        short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        # The blocker holds rank 0's one sequence slot while the rest queue behind it.
+        engine.add_request(request("blocker", prompts[0], SamplingParams(temperature=0.0, max_tokens=1000,
+                                                                         ignore_eos=True)), rank=0)
+        for i, (rid, priority) in enumerate([("batch0", 10), ("batch1", 10), ("interactive", 0)], start=1):
+            engine.add_request(EngineRequest(rid, prompts[i], short, priority=priority), rank=0)
+        engine.add_request(EngineRequest("other", prompts[4], short, priority=7), rank=1)
+        # Rank 0 reports its waiting work as it is, priorities or not.
+        wait_stats(engine, lambda st: 0 in st and (st[0].num_running, st[0].num_waiting) == (1, 3),
+                   what="rank 0 running 1 and waiting 3")
+        assert engine.state.waiting[0] == 3  # the front end's count: priorities do not change routing
+        engine.abort(["blocker"])  # the slot frees: rank 0 admits from its queue, best first
+        collected, first_token = Collected(), []
+        deadline = time.monotonic() + 120
+        while len(collected.finish) < 5:
+            assert time.monotonic() < deadline, f"not drained: {collected.finish}"
+            outputs = engine.step(timeout=0.5)
+            first_token += [out.request_id for out in outputs
+                            if out.new_token_ids and out.request_id not in collected.tokens]
+            collected.feed(outputs)
+        assert collected.finish.pop("blocker") == "abort"
+        assert set(collected.finish.values()) == {"length"}
+        assert [rid for rid in first_token if rid not in ("blocker", "other")] == ["interactive", "batch0", "batch1"]
+    finally:
+        llm.close()
