@@ -26,6 +26,14 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     rank: int | None = None  # the token's place in the vocabulary by logprob, 1 = the best
 
 
+class Refusal(msgspec.Struct, array_like=True):
+    """Why a rank refused a request before its first token: the front end answers 400 with it.
+    `param`: the field at fault as the engine names it ("structured_outputs.json", "prompt")."""
+    param: str | None
+    message: str                 # "param: why", like every request refusal
+    code: str = "invalid_value"  # the OpenAI error code
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True):
     request_id: str           # the id the client used (n > 1 children share it)
     index: int                # which of the n samples
@@ -36,6 +44,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # on a sample's first output: rank arrival -> first scheduled
+    refusal: Refusal | None = None  # with finish_reason "error": the request was refused, never ran
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -77,6 +86,7 @@ class StepStats(msgspec.Struct, array_like=True):
     prefix_hits: int
     preemptions: int
     integrity: IntegrityStats = msgspec.field(default_factory=IntegrityStats)  # engine/integrity/
+    num_preparing: int = 0  # of num_waiting: requests whose grammar is still compiling
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -49,6 +49,7 @@ class Request:
         # Sibling samples (n > 1) wait until the first one's prompt is cached, then share it.
         self.wait_for = wait_for
         self.grammar = None  # RequestGrammar (engine/structured/grammar.py) when the output is constrained
+        self.waiting_for_grammar = False  # its grammar is compiling off the step loop: not schedulable yet
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**63)
@@ -75,6 +76,8 @@ class Request:
 
     @property
     def ready(self) -> bool:
+        if self.waiting_for_grammar:
+            return False
         sibling = self.wait_for
         return sibling is None or sibling.is_finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens
 
