@@ -241,6 +241,14 @@ class EngineConfig:
     # (seconds) is a crash loop -- the server stops respawning and reports itself unhealthy.
     max_rank_restarts: int = 5
     rank_restart_window: float = 300.0
+    # Structured outputs (engine/structured/limits.py, engine/structured/compile_pool.py): a spec
+    # over a size bound is refused before it compiles; a compile runs on worker threads, never on
+    # the step loop, and a request whose grammar is not ready within the timeout is refused.
+    structured_outputs_compile_timeout: float = 10.0  # seconds from arrival at the rank
+    structured_outputs_compile_workers: int = 2  # compile threads per rank
+    max_structured_outputs_spec_bytes: int = 65536  # the spec (schema, regex, grammar, tools) as UTF-8
+    max_structured_outputs_choices: int = 4096  # entries of a choice list or of any one JSON schema enum
+    max_structured_outputs_depth: int = 128  # JSON nesting of a schema (each object and array is a level)
 
     @property
     def lockstep(self) -> bool:
@@ -305,6 +313,12 @@ class EngineConfig:
             raise ValueError("max_rank_restarts: must be >= 0")
         if kwargs.get("rank_restart_window", cls.rank_restart_window) <= 0:
             raise ValueError("rank_restart_window: must be > 0 seconds")
+        if not kwargs.get("structured_outputs_compile_timeout", cls.structured_outputs_compile_timeout) > 0:
+            raise ValueError("structured_outputs_compile_timeout: must be > 0 seconds")
+        for name in ("structured_outputs_compile_workers", "max_structured_outputs_spec_bytes",
+                     "max_structured_outputs_choices", "max_structured_outputs_depth"):
+            if kwargs.get(name, getattr(cls, name)) < 1:
+                raise ValueError(f"{name}: must be >= 1")
         if num_gpu_blocks is None:
             per_block = (model_config.kv_bytes_per_token_per_layer() * block_size
                          * model_config.num_layers)

@@ -145,4 +145,15 @@ ENGINE_ARGS = (
               group="data parallel"),
     EngineArg("rank_restart_window", "seconds over which --max-rank-restarts counts rank deaths",
               group="data parallel"),
+    EngineArg("structured_outputs_compile_timeout", "seconds a request may wait for its grammar to compile "
+              "(from its arrival at the rank); past it the request is a 400 naming the field",
+              group="structured outputs"),
+    EngineArg("structured_outputs_compile_workers", "grammar compile threads per rank (compiles never run on the "
+              "step loop)", group="structured outputs"),
+    EngineArg("max_structured_outputs_spec_bytes", "largest structured-output spec (JSON schema, regex, grammar, "
+              "structural tag, tool schemas) in UTF-8 bytes; larger is a 400", group="structured outputs"),
+    EngineArg("max_structured_outputs_choices", "most entries of a choice list, or of any one enum of a JSON "
+              "schema; more is a 400", group="structured outputs"),
+    EngineArg("max_structured_outputs_depth", "deepest nesting of objects and arrays in a JSON schema or "
+              "structural tag; deeper is a 400", group="structured outputs"),
 )

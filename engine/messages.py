@@ -38,6 +38,14 @@ class RequestTiming(msgspec.Struct, array_like=True):
     last_token: float | None = None   # its last token sampled
 
 
+class Refusal(msgspec.Struct, array_like=True):
+    """Why a rank refused a request before its first token: the front end answers 400 with it.
+    `param`: the field at fault as the engine names it ("structured_outputs.json", "prompt")."""
+    param: str | None
+    message: str                 # "param: why", like every request refusal
+    code: str = "invalid_value"  # the OpenAI error code
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True):
     request_id: str           # the id the client used (n > 1 children share it)
     index: int                # which of the n samples
@@ -49,6 +57,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # on a sample's first output: rank arrival -> first scheduled
     timing: RequestTiming | None = None  # on a sample's finishing output
+    refusal: Refusal | None = None  # with finish_reason "error": the request was refused, never ran
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -97,6 +106,7 @@ class StepStats(msgspec.Struct, array_like=True):
     preemptions: int
     integrity: IntegrityStats = msgspec.field(default_factory=IntegrityStats)  # engine/integrity/
     spec_decode: SpecDecodeStats = msgspec.field(default_factory=SpecDecodeStats)  # engine/spec_decode/
+    num_preparing: int = 0  # of num_waiting: requests whose grammar is still compiling
 
 
 class RankReady(msgspec.Struct, tag=True):

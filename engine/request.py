@@ -53,6 +53,7 @@ class Request:
         # Proposed next tokens (engine/spec_decode/) the next step verifies; set after each step.
         self.draft_token_ids: list[int] = []
         self.grammar = None  # RequestGrammar (engine/structured/grammar.py) when the output is constrained
+        self.waiting_for_grammar = False  # its grammar is compiling off the step loop: not schedulable yet
         self.generator: torch.Generator | None = None
         self.priority = priority  # lower runs first under --scheduling-policy priority (engine/core/request_queue.py)
         if params.seed is not None:
@@ -87,6 +88,8 @@ class Request:
 
     @property
     def ready(self) -> bool:
+        if self.waiting_for_grammar:
+            return False
         sibling = self.wait_for
         return sibling is None or sibling.is_finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens
 

@@ -16,6 +16,10 @@ from engine.structured.spec import StructuredOutputs
 MAX_LOGPROBS = 20  # top logprobs per token, as the OpenAI API allows
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_REPETITION_PENALTY = 10.0
+# Every new piece of text is searched for every stop string, on the front end's event loop:
+# more than this many would make each token of the request cost as much as thousands.
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 bad(name, f"must be {bounds}, got {value}")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

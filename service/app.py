@@ -5,6 +5,7 @@ answers (/health 200, /ready 503) while the ranks load.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -66,9 +67,9 @@ def build_app(state: AppState) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages: must not be empty", "messages")
-            ids = render_chat(state, body).token_ids
+            ids = (await asyncio.to_thread(render_chat, state, body)).token_ids  # off the event loop
         else:
-            ids = encode(state, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(encode, state, body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=state.config.max_model_len, tokens=ids,
                                 token_strs=[state.formatter.text(t) for t in ids])
 

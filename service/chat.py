@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the checkpoint's chat template, then the same engine path."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -10,14 +11,14 @@ from fastapi.responses import Response
 from service.chat_render import echoed_text, render_chat
 from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, check_max_logprobs, complete, request_params,
-                              start_generation)
+                              start_generation, start_stream)
 from service.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatLogprobs, UsageInfo)
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE
 from service.sse import DONE, SSEResponse, event
 from service.state import AppState
 from service.tool_stream import ToolCallStream
-from service.structured import after_reasoning, compile_or_refuse, request_grammar
+from service.structured import after_reasoning, check_limits_or_refuse, request_grammar
 from service.reasoning import ReasoningStream, split_reasoning
 from service.tools import ToolPlan, new_call_id, plan_tools
 from service.vllm_fields import prompt_logprob_maps
@@ -36,23 +37,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_max_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
     if body.stream and body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
-    plan = plan_tools(body, state.settings.tool_call_parser)
+    try:
+        plan = plan_tools(body, state.settings.tool_call_parser)
+    except RecursionError:  # a tool's parameters nested deeper than any schema bound
+        raise bad_request("tools: parameters nested too deeply", "tools") from None
     if plan is not None and plan.grammar is not None:
-        structured = plan.grammar
-        compile_or_refuse(state, structured, "tools")
+        structured, grammar_param = plan.grammar, "tools"
+        check_limits_or_refuse(state, structured, "tools")
     else:
-        structured = request_grammar(state, body)
+        structured, grammar_param = request_grammar(state, body)
     reasoning = state.settings.reasoning_parser is not None
     if reasoning and structured is not None:  # the grammar constrains the answer, not the thinking
         structured = after_reasoning(state, structured)
-    prompt = render_chat(state, body)
+    # Off the event loop: a template over thousands of messages or tools, and tokenizing what it
+    # renders, take long enough to hold up every other request's streaming.
+    prompt = await asyncio.to_thread(render_chat, state, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = request_params(state, body, [prompt], max_tokens=body.max_completion_tokens or body.max_tokens,
                             logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, param="messages",
                             structured=structured)
-    gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params, body.priority)
+    gen = start_generation(state, request, "chatcmpl", ROUTE, [prompt], params, grammar_param, body.priority)
     created = int(time.time())
     if body.stream:
+        await start_stream(gen)
         return SSEResponse(_stream(state, gen, body, created, plan, reasoning), on_close=gen.close_stream)
     if not await complete(request, gen):
         return Response(status_code=499)

@@ -1,6 +1,7 @@
 """POST /v1/completions."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -10,7 +11,7 @@ from fastapi.responses import Response
 from engine.messages import TokenLogprob
 from service.errors import bad_request
 from service.generate import (EngineFailed, Generation, PromptInput, check_max_logprobs, complete, encode,
-                              request_params, start_generation)
+                              request_params, start_generation, start_stream)
 from service.logprobs import merge
 from service.protocol import (MAX_CHOICES, CompletionChoice, CompletionLogprobs, CompletionRequest,
                               CompletionResponse, UsageInfo)
@@ -62,7 +63,7 @@ def engine_prompt_logprobs(body: CompletionRequest) -> int | None:
 async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
     state: AppState = request.app.state.kvsentry
     state.check_model(body.model)
-    prompts = completion_prompts(state, body.prompt)
+    prompts = await asyncio.to_thread(completion_prompts, state, body.prompt)  # tokenizing: off the event loop
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"n: {len(prompts)} prompts x n={body.n} choices exceed the limit of "
                           f"{MAX_CHOICES} per request", "n")
@@ -70,12 +71,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_max_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
     if body.stream and body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
-    structured = request_grammar(state, body)
+    structured, grammar_param = request_grammar(state, body)
     params = request_params(state, body, prompts, max_tokens=body.max_tokens, logprobs=body.logprobs,
                             prompt_logprobs=engine_prompt_logprobs(body), structured=structured)
-    gen = start_generation(state, request, "cmpl", ROUTE, prompts, params, body.priority)
+    gen = start_generation(state, request, "cmpl", ROUTE, prompts, params, grammar_param, body.priority)
     created = int(time.time())
     if body.stream:
+        await start_stream(gen)
         return SSEResponse(_stream(state, gen, body, created), on_close=gen.close_stream)
     if not await complete(request, gen):
         return Response(status_code=499)

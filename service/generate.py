@@ -39,6 +39,14 @@ class EngineFailed(Exception):
         self.retryable = retryable  # its rank died and was replaced: the same request may be sent again
 
 
+class RequestRefused(EngineFailed):
+    """A rank refused the request before it ran (engine/messages.py: Refusal): a 400."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
+
+
 @dataclass
 class PromptInput:
     token_ids: list[int]
@@ -85,8 +93,9 @@ def request_params(state: AppState, req: SamplingFields, prompts: list[PromptInp
 class Generation:
     def __init__(self, state: AppState, request_id: str, route: str, prompts: list[PromptInput],
                  params: SamplingParams, client_request_id: str, scope_state: dict | None = None,
-                 priority: int = 0):
+                 grammar_param: str | None = None, priority: int = 0):
         self.state = state
+        self.grammar_param = grammar_param  # the field that asked for the grammar, named by its refusals
         self.request_id = request_id
         self.route = route
         self.prompts = prompts
@@ -102,6 +111,7 @@ class Generation:
         self._queues: list[asyncio.Queue] = []
         self._events: asyncio.Queue = asyncio.Queue()  # (prompt index, output) of every queue, P > 1
         self._forwarders: list[asyncio.Task] = []
+        self._held: list[tuple[int, object]] = []  # (prompt index, output) read by started(), not yet handled
         self._submitted: list[str] = []
         self._first_output = [False] * len(prompts)
         self._first_token: float | None = None
@@ -148,13 +158,47 @@ class Generation:
     def finished(self) -> bool:
         return all(s.finished for s in self.states)
 
+    async def _next(self) -> tuple[int, object]:
+        if self._held:
+            return self._held.pop(0)
+        if len(self._queues) == 1:
+            return 0, await self._queues[0].get()
+        return await self._events.get()
+
+    async def started(self) -> None:
+        """Wait until every prompt has its first output (a constrained stream waits here for its
+        grammar): a refusal raises the 400 before any response has begun."""
+        seen: set[int] = set()
+        while len(seen) < len(self.prompts):
+            index, item = await self._next()
+            self._held.append((index, item))
+            self._check_refusal(item)
+            if isinstance(item, Exception):
+                return  # updates() raises it
+            seen.add(index)
+
+    def _check_refusal(self, item) -> None:
+        refusal = getattr(item, "refusal", None)
+        if refusal is None:
+            return
+        self.close("rejected")
+        message, param = refusal.message, refusal.param
+        if self.grammar_param and param and param.startswith("structured_outputs."):
+            # The engine names the spec by its kind ("structured_outputs.json[.enum]"); the client
+            # knows it by the field it used ("response_format.json_schema.schema[.enum]").
+            rest = param.split(".", 2)[2:]
+            client_param = ".".join([self.grammar_param, *rest])
+            message = client_param + message[len(param):] if message.startswith(param) else message
+            param = client_param
+        raise RequestRefused(bad_request(message, param, refusal.code))
+
     async def updates(self) -> AsyncIterator[int]:
         """Yield the prompt index of each state change until every sample has finished."""
-        single = self._queues[0] if len(self._queues) == 1 else None
         while not self.finished:
-            index, item = (0, await single.get()) if single is not None else await self._events.get()
+            index, item = await self._next()
             if isinstance(item, Exception):
                 raise EngineFailed(str(item) or type(item).__name__, isinstance(item, RankDiedError))
+            self._check_refusal(item)
             request_state = self.states[index]
             if request_state.finished:
                 continue
@@ -301,6 +345,8 @@ async def complete(request, generation: Generation) -> bool:
     an engine failure for this request alone becomes a 500."""
     try:
         return await run_unless_disconnected(request.receive, generation)
+    except RequestRefused as exc:
+        raise exc.error from None
     except EngineFailed as exc:
         generation.close("engine_error")
         if exc.retryable:  # its rank died under it and is being replaced: a retry is served
@@ -312,7 +358,7 @@ async def complete(request, generation: Generation) -> bool:
 
 
 def start_generation(state: AppState, request, prefix: str, route: str, prompts: list[PromptInput],
-                     params, priority: int = 0) -> Generation:
+                     params, grammar_param: str | None = None, priority: int = 0) -> Generation:
     """Submit a validated request under a fresh id ("cmpl-…", "chatcmpl-…"), honouring X-Request-Id."""
     try:
         validate_priority(state.config, priority)
@@ -320,12 +366,26 @@ def start_generation(state: AppState, request, prefix: str, route: str, prompts:
         raise from_value_error(exc) from None
     client_id = responses.client_request_id(request)
     generation = Generation(state, new_request_id(prefix, client_id), route, prompts, params, client_id,
-                            request.scope.get("state"), priority)
+                            request.scope.get("state"), grammar_param, priority)
     if state.tracer is not None:
         generation.trace_carrier = {name: value for name in TRACE_CONTEXT_HEADERS
                                     if (value := request.headers.get(name))}
     generation.submit()
     return generation
+
+
+async def start_stream(generation: Generation) -> None:
+    """Before a stream's headers: a constrained request waits for its grammar, so that a spec the
+    rank refuses (cannot compile, or not within the compile timeout) is a 400, not a broken stream."""
+    if generation.params.structured_outputs is None:
+        return
+    try:
+        await generation.started()
+    except RequestRefused as exc:
+        raise exc.error from None
+    except BaseException:  # the client left while waiting (cancelled): abort upstream
+        generation.close("client_disconnected")
+        raise
 
 
 def check_max_logprobs(state: AppState, value: int | None, param: str) -> None:

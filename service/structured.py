@@ -1,8 +1,9 @@
 """`response_format` and vLLM's `structured_outputs` -> the grammar spec the engine enforces.
 
-The spec is compiled here, before the request is submitted, so a schema or regex the grammar
-engine cannot take is a synchronous 400 naming the field (the compiled grammar is cached, and
-the rank compiles the same spec again with its own copy of the tokenizer).
+Only the cheap size bounds are checked here (engine/structured/limits.py), before the request
+is submitted: compiling a spec can take seconds, so it never runs on this event loop. The rank
+compiles it off its step loop; a spec it cannot compile, or not within the compile timeout,
+comes back as a typed refusal that service/generate.py answers with a 400 naming the field.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 
 import msgspec
 
-from engine.structured.grammar import GrammarError, compiler_for_model
+from engine.structured.limits import SPEC_TOO_LARGE, SpecTooLarge, check_spec_limits
 from engine.structured.spec import StructuredOutputs
 from service.errors import bad_request
 from service.protocol import SamplingFields
@@ -31,14 +32,14 @@ def requested_grammar(body: SamplingFields) -> tuple[StructuredOutputs | None, s
                 raise bad_request("response_format: structural_tag needs structures and triggers", "response_format")
             tag = {"structures": [{"begin": s.begin, "schema": s.schema_ or {}, "end": s.end} for s in fmt.structures],
                    "triggers": fmt.triggers}
-            return StructuredOutputs(kind="structural_tag", spec=json.dumps(tag)), "response_format"
+            return StructuredOutputs(kind="structural_tag", spec=json_spec(tag, "response_format")), "response_format"
         if fmt.json_schema is None:
             raise bad_request("response_format.json_schema: required when type is json_schema",
                               "response_format.json_schema")
         if fmt.json_schema.schema_ is None:
             return StructuredOutputs(kind="json_object"), "response_format.json_schema"
-        return (StructuredOutputs(kind="json", spec=json.dumps(fmt.json_schema.schema_)),
-                "response_format.json_schema.schema")
+        param = "response_format.json_schema.schema"
+        return StructuredOutputs(kind="json", spec=json_spec(fmt.json_schema.schema_, param)), param
     if so is None:
         return None, None
     given = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -74,22 +75,28 @@ def json_spec(value: str | dict, param: str) -> str:
             value = json.loads(value)
         except ValueError:
             raise bad_request(f"{param}: is not valid JSON", param) from None
-    return json.dumps(value)
-
-
-def compile_or_refuse(state: AppState, spec: StructuredOutputs, param: str) -> None:
+        except RecursionError:
+            raise bad_request(f"{param}: nested too deeply", param, SPEC_TOO_LARGE) from None
     try:
-        compiler_for_model(state.config.model).compile(spec)
-    except GrammarError as exc:
-        why = str(exc).partition(": ")[2]
-        raise bad_request(f"{param}: {why}", param) from None
+        return json.dumps(value)
+    except RecursionError:  # deeper than any --max-structured-outputs-depth
+        raise bad_request(f"{param}: nested too deeply", param, SPEC_TOO_LARGE) from None
 
 
-def request_grammar(state: AppState, body: SamplingFields) -> StructuredOutputs | None:
+def check_limits_or_refuse(state: AppState, spec: StructuredOutputs, param: str) -> None:
+    """A 400 naming `param` when `spec` is over a size bound (the rank checks them again)."""
+    try:
+        check_spec_limits(state.config, spec, param)
+    except SpecTooLarge as exc:
+        raise bad_request(str(exc), exc.field, exc.code) from None
+
+
+def request_grammar(state: AppState, body: SamplingFields) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's spec, bounds checked, and the field that asked for it."""
     spec, param = requested_grammar(body)
     if spec is not None:
-        compile_or_refuse(state, spec, param)
-    return spec
+        check_limits_or_refuse(state, spec, param)
+    return spec, param
 
 
 def after_reasoning(state: AppState, spec: StructuredOutputs) -> StructuredOutputs:

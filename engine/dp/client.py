@@ -132,7 +132,8 @@ class ClientState:
         self.last_seen[msg.rank] = now
         if msg.stats is not None:
             previous = self.stats.get(msg.rank)
-            if previous is None or msg.stats.steps != previous.steps:
+            # A rank waiting only for grammars to compile (bounded by their timeout) is making progress.
+            if previous is None or msg.stats.steps != previous.steps or msg.stats.num_preparing:
                 self.last_progress = now
             self.stats[msg.rank] = msg.stats
         replies: list[tuple[int, bytes]] = []

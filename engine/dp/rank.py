@@ -48,6 +48,7 @@ RANK_FAULTS = ("kill_rank", "hang_rank")  # faults the rank's loop acts out itse
 def new_incarnation() -> int:
     """Tags this process's outputs until its group re-forms (engine/dp/client.py drops older ones)."""
     return int.from_bytes(os.urandom(6), "little")
+PREPARING_POLL_SECONDS = 0.01  # how often a rank with only grammars compiling looks for them ready
 
 
 def endpoints(config: EngineConfig) -> tuple[str, str, str]:
@@ -99,7 +100,9 @@ class RankLoop:
     def run(self) -> None:
         while self.running:
             busy = not self.broken and (self.in_wave or self.core.has_unfinished)
-            if self.inputs.poll(0 if busy else int(HEARTBEAT_SECONDS * 1000)):
+            # Nothing to step but grammars compiling (on their threads): wait a little, not spin.
+            wait = PREPARING_POLL_SECONDS if busy and not self.in_wave and self.core.only_preparing else 0
+            if self.inputs.poll(int(1000 * (wait if busy else HEARTBEAT_SECONDS))):
                 self.drain()
             elif not busy:
                 self.heartbeat()
@@ -129,9 +132,7 @@ class RankLoop:
                 try:
                     self.core.add_request(msg)
                 except ValueError as exc:
-                    from engine.messages import EngineCoreOutput
-                    self.send(outputs=[EngineCoreOutput(msg.request_id, i, [], finish_reason="error",
-                                                        stop_reason=str(exc)) for i in range(msg.params.n)])
+                    self.send(outputs=self.core.refused(msg, exc))
                     continue
                 if not self.in_wave and msg.wave < self.wave:
                     self.stale_request = True

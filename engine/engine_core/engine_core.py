@@ -14,14 +14,15 @@ import torch
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.validation import validate_request
+from engine.engine_core.preparing import PreparingRequests
 from engine.engine_core.stop import finish_after
 from engine.integrity.unit import CacheIntegrity
 from engine.memory import host_memory
-from engine.messages import EngineCoreOutput, EngineRequest, RequestTiming, StepStats
+from engine.messages import EngineCoreOutput, EngineRequest, Refusal, RequestTiming, StepStats
 from engine.request import Request, SchedulerOutput
 from engine.spec_decode.speculator import Speculator
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.structured.grammar import GrammarCompiler, compiler_for_model
+from engine.structured.limits import check_spec_limits
 from engine.worker.kv_cache import block_axis
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 
@@ -45,32 +46,59 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []  # outputs produced outside step() (aborts)
         spec = config.speculative_config
         self.speculator = Speculator(spec, config.max_model_len) if spec is not None else None
+        self.preparing = PreparingRequests(config)  # requests whose grammar compiles off the loop
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
+        """The cheap checks only: nothing here may stall the step loop (the grammar compiles later,
+        off the loop)."""
         validate_request(self.config, request)
         if request.params.structured_outputs is not None:
-            self.grammar_compiler().compile(request.params.structured_outputs)
-
-    def grammar_compiler(self) -> GrammarCompiler:
-        return compiler_for_model(self.config.model)
+            check_spec_limits(self.config, request.params.structured_outputs)
 
     def add_request(self, request: EngineRequest) -> None:
         self.validate(request)
+        samples = []
         first = None
         for index in range(request.params.n):
             r = Request(request.request_id, index, request.prompt_token_ids, request.params,
                         request.eos_token_id, request.arrival_time or time.time(), wait_for=first,
                         priority=request.priority)
             r.eos_token_ids = self._eos_ids | ({request.eos_token_id} - {None})
-            if request.params.structured_outputs is not None:  # one matcher per sample
-                r.grammar = self.grammar_compiler().matcher(request.params.structured_outputs)
             first = first or r
+            samples.append(r)
+        if request.params.structured_outputs is not None:  # waits, unschedulable, until compiled
+            self.preparing.add(request.request_id, request.params.structured_outputs, samples)
+        for r in samples:
             self.scheduler.add(r)
+
+    def refused(self, request: EngineRequest, exc: ValueError) -> list[EngineCoreOutput]:
+        """The outputs that tell the front end `request` was refused before it ran (add_request
+        raised `exc`): finish_reason "error" with a typed Refusal, which it answers as a 400."""
+        refusal = refusal_of(exc)
+        return [EngineCoreOutput(request.request_id, i, [], finish_reason="error", stop_reason=refusal.message,
+                                 refusal=refusal) for i in range(request.params.n)]
+
+    def _poll_grammars(self) -> None:
+        for samples, exc in self.preparing.poll():
+            refusal = refusal_of(exc)
+            for r in samples:
+                self.scheduler.finish(r, "error", refusal.message)
+                self._pending.append(EngineCoreOutput(r.request_id, r.index, [], finish_reason="error",
+                                                      stop_reason=refusal.message, refusal=refusal))
+
+    @property
+    def only_preparing(self) -> bool:
+        """Every unfinished request waits for its grammar: a step would have nothing to run."""
+        return (not self.scheduler.running and bool(self.scheduler.waiting)
+                and all(r.waiting_for_grammar for r in self.scheduler.waiting))
 
     def abort(self, request_ids: list[str], index: int | None = None) -> None:
         for request_id in request_ids:
-            for request in self.scheduler.abort(request_id, index):
+            aborted = self.scheduler.abort(request_id, index)
+            if not any(r.request_id == request_id for r in self.scheduler.requests.values()):
+                self.preparing.drop(request_id)  # frees its compile too, unless it started or is shared
+            for request in aborted:
                 self._pending.append(EngineCoreOutput(request.request_id, request.index, [],
                                                       finish_reason="abort", timing=self._timing(request)))
 
@@ -91,6 +119,7 @@ class EngineCore:
 
     # -- stepping ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._poll_grammars()
         return self.scheduler.schedule()
 
     def step(self, sched: SchedulerOutput | None = None, num_padded: int | None = None) -> list[EngineCoreOutput]:
@@ -98,12 +127,11 @@ class EngineCore:
         if sched is None:
             sched = self.schedule()
         outputs = self.take_pending()
-        self.steps += 1
-        if sched.num_reqs == 0:
+        if sched.num_reqs == 0:  # not a step (e.g. only requests waiting for their grammar)
             if num_padded:
-                self.steps -= 1
                 self.run_dummy(num_padded)
             return outputs + self.take_pending()
+        self.steps += 1
         self.integrity.before_step(self.scheduler.kv.pool.take_unsealed())
         num_padded = num_padded or self.config.padded_num_tokens(sched.num_tokens)
         self.padded_tokens += num_padded - sched.num_tokens
@@ -222,4 +250,12 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting), kv_usage=kv.pool.usage,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             preemptions=self.scheduler.num_preemptions, integrity=self.integrity.stats(),
-            spec_decode=self.speculator.stats.copy() if self.speculator is not None else SpecDecodeStats())
+            spec_decode=self.speculator.stats.copy() if self.speculator is not None else SpecDecodeStats(),
+            num_preparing=self.preparing.num_waiting)
+
+
+def refusal_of(exc: ValueError) -> Refusal:
+    """A refusal's typed form; the field is the text before ": " when the error has no `field`."""
+    message = str(exc)
+    field = getattr(exc, "field", None) or (message.partition(": ")[0] if ": " in message else None)
+    return Refusal(field, message, getattr(exc, "code", "invalid_value"))

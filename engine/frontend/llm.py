@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from engine.config import EngineConfig
 from engine.engine_core.engine_core import EngineCore
+from engine.engine_core.preparing import compile_blocking
 from engine.core.validation import validate_request
 from engine.messages import EngineRequest
 from engine.frontend.output_processor import RequestState
@@ -41,6 +42,8 @@ class LLM:
 
     def validate(self, request: EngineRequest) -> None:
         validate_request(self.config, request)
+        if request.params.structured_outputs is not None:  # offline, the caller waits anyway
+            compile_blocking(self.config, request.params.structured_outputs)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -8,6 +8,7 @@ reasoning parsers. Its output comes back as output items (output.py), whole or a
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from service.chat_render import render_chat
 from service.errors import APIError, bad_request
-from service.generate import EngineFailed, Generation, complete, request_params
+from service.generate import EngineFailed, Generation, complete, request_params, start_stream
 from service.protocol import ChatCompletionRequest
 from service.reasoning import THINK_END, ReasoningStream
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
@@ -28,7 +29,7 @@ from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
 from service.sse import SSEResponse
 from service.state import AppState
-from service.structured import after_reasoning, compile_or_refuse, request_grammar
+from service.structured import after_reasoning, check_limits_or_refuse, request_grammar
 from service.tool_stream import ToolCallStream
 from service.tools import ToolPlan, new_call_id, plan_tools
 
@@ -67,17 +68,21 @@ def previous_messages(store: ResponseStore, body: ResponsesRequest) -> list[dict
 
 
 def output_plan(state: AppState, chat: ChatCompletionRequest):
-    """(tool plan, grammar, reasoning) of the chat request, as the chat route decides them."""
-    plan = plan_tools(chat, state.settings.tool_call_parser)
+    """(tool plan, grammar, the field that asked for it, reasoning) of the chat request, as the
+    chat route decides them."""
+    try:
+        plan = plan_tools(chat, state.settings.tool_call_parser)
+    except RecursionError:  # a tool's parameters nested deeper than any schema bound
+        raise bad_request("tools: parameters nested too deeply", "tools") from None
     if plan is not None and plan.grammar is not None:
-        structured = plan.grammar
-        compile_or_refuse(state, structured, "tools")
+        structured, grammar_param = plan.grammar, "tools"
+        check_limits_or_refuse(state, structured, "tools")
     else:
-        structured = request_grammar(state, chat)
+        structured, grammar_param = request_grammar(state, chat)
     reasoning = state.settings.reasoning_parser is not None
     if reasoning and structured is not None:  # the grammar constrains the answer, not the thinking
         structured = after_reasoning(state, structured)
-    return plan, structured, reasoning
+    return plan, structured, grammar_param, reasoning
 
 
 @router.post(ROUTE, response_model=ResponseObject, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
@@ -89,14 +94,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     try:
         conversation = history + input_messages(body, history)
         chat = chat_request(body, conversation)
-        plan, structured, reasoning = output_plan(state, chat)
-        prompt = render_chat(state, chat)
+        plan, structured, grammar_param, reasoning = output_plan(state, chat)
+        prompt = await asyncio.to_thread(render_chat, state, chat)
         params = request_params(state, chat, [prompt], max_tokens=chat.max_completion_tokens, logprobs=None,
                                 param="messages", structured=structured)
     except APIError as exc:
         raise in_responses_terms(exc) from None
     generation = Generation(state, new_id("resp"), ROUTE, [prompt], params, client_request_id(request),
-                            request.scope.get("state"))
+                            request.scope.get("state"), grammar_param)
     generation.submit()
     created = int(time.time())
     kept = body.store is not False and store.capacity > 0
@@ -108,10 +113,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return response
 
     if body.stream:
+        try:
+            await start_stream(generation)
+        except APIError as exc:
+            raise in_responses_terms(exc) from None
         events = _stream(state, generation, body, created, kept, plan, reasoning, finished)
         return SSEResponse(events, on_close=generation.close_stream)
-    if not await complete(request, generation):
-        return Response(status_code=499)
+    try:
+        if not await complete(request, generation):
+            return Response(status_code=499)
+    except APIError as exc:
+        raise in_responses_terms(exc) from None
     sample = generation.states[0].samples[0]
     items = output_items(sample.text, reasoning, plan, sample.finish_reason)
     status, incomplete = final_status(sample.finish_reason)
