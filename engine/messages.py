@@ -66,8 +66,10 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Wake(msgspec.Struct, tag=True):
-    """Starts wave `wave` on an idle rank (ignored when that wave already ended)."""
+    """Starts wave `wave` on an idle rank (ignored when that wave already ended, or when it was
+    sent to an earlier generation of the group: wave numbers start again at each re-forming)."""
     wave: int
+    generation: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -36,6 +36,8 @@ from engine.messages import EngineRequest, Fault, GroupBroken, RankFailed, RankJ
 
 logger = logging.getLogger("kvsentry.supervisor")
 
+REFORM_RESEND_SECONDS = 5.0
+
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, *, headless: bool = False,
@@ -60,8 +62,10 @@ class AsyncEngineClient:
         self.generation = 0                      # of the lockstep group
         self.reforming = False
         self.reform_sent = False
+        self.reform_sent_at = 0.0
         self.broken_at = 0.0
         self.joining: set[int] = set()
+        self.spawned_at: dict[int, float] = {}  # local rank -> when its current process started
 
     # -- what the service reads ------------------------------------------------------------
     @property
@@ -182,7 +186,7 @@ class AsyncEngineClient:
         try:
             send_now(self.inputs, rank, payload)
         except zmq.ZMQError as exc:  # the rank is gone: its death, seen by the supervisor, settles its requests
-            logger.debug("DP rank %d is unreachable: %s", rank, exc)
+            logger.info("DP rank %d is unreachable: %s", rank, exc)
 
     async def _send(self, messages: list[tuple[int, bytes]]) -> None:
         for rank, payload in messages:
@@ -232,7 +236,7 @@ class AsyncEngineClient:
         self.supervision.live_ranks = len(state.ready_ranks)
         if self.reforming and self.reform_sent and state.ready:
             self.reforming = self.reform_sent = False
-            state.wave = 0
+            state.wave, state.generation = 0, self.generation
             state.last_progress = time.monotonic()
             logger.warning("DP group re-formed (generation %d)", self.generation)
         if self.ready and self.pending:
@@ -245,6 +249,7 @@ class AsyncEngineClient:
     def _launch(self, rank: int, generation: int | None) -> None:
         proc = spawn_rank(self.config, rank, generation)
         self.local[rank] = proc
+        self.spawned_at[rank] = time.monotonic()
         self.procs = self.resources.procs = list(self.local.values())
         asyncio.get_running_loop().add_reader(proc.sentinel, self._exited, rank, proc)
 
@@ -327,7 +332,15 @@ class AsyncEngineClient:
             self.reform_sent = True
             self.joining.clear()
             logger.warning("DP group: every rank is back; re-forming as generation %d", self.generation)
-            for rank, payload in state.broadcast(Reform(self.generation)):
+            self._send_reform()
+
+    def _send_reform(self) -> None:
+        """To every rank not in the new group yet; repeated while the group forms (a rank that
+        already joined ignores a repeat), so one message lost to a reconnecting socket cannot stall it."""
+        self.reform_sent_at = time.monotonic()
+        payload = self.state.encoder.encode(Reform(self.generation))
+        for rank in range(self.state.size):
+            if rank not in self.state.ready_ranks:
                 self._send_now(rank, payload)
 
     async def _watch(self) -> None:
@@ -340,17 +353,29 @@ class AsyncEngineClient:
                 continue
             self._maybe_reform()
             now = time.monotonic()
+            if self.reforming and self.reform_sent and now - self.reform_sent_at > REFORM_RESEND_SECONDS:
+                self._send_reform()
             silent = sorted((self.state.last_seen[r], r) for r in self.state.ready_ranks
                             if now - self.state.last_seen[r] > self.wedge_timeout)
             for _, rank in silent[:1] if self.state.lockstep else silent:
-                logger.warning("DP rank %d sent nothing for %.0f s: wedged", rank, now - self.state.last_seen[rank])
-                proc = self.local.get(rank)
-                if proc is not None and proc.is_alive():
-                    self.death_reasons[rank] = "wedged"
-                    self.state.ready_ranks.discard(rank)
-                    os.kill(proc.pid, signal.SIGKILL)  # its sentinel does the rest
-                else:
-                    self._rank_lost(rank, f"DP rank {rank} (on another node) sent nothing for too long")
+                self._wedged(rank, now - self.state.last_seen[rank])
+            if self.reforming and not self.reform_sent and now - self.broken_at > self.wedge_timeout:
+                # A survivor unheard since the break is the hung one (the longest-silent pick
+                # above can hit a peer that was only waiting on it).
+                for rank, proc in list(self.local.items()):
+                    if (proc.is_alive() and self.spawned_at[rank] < self.broken_at and rank not in self.joining
+                            and self.state.last_seen[rank] <= self.broken_at and rank not in self.death_reasons):
+                        self._wedged(rank, now - self.state.last_seen[rank])
+
+    def _wedged(self, rank: int, silent_for: float) -> None:
+        logger.warning("DP rank %d sent nothing for %.0f s: wedged", rank, silent_for)
+        proc = self.local.get(rank)
+        if proc is not None and proc.is_alive():
+            self.death_reasons[rank] = "wedged"
+            self.state.ready_ranks.discard(rank)
+            os.kill(proc.pid, signal.SIGKILL)  # its sentinel does the rest
+        else:
+            self._rank_lost(rank, f"DP rank {rank} (on another node) sent nothing for too long")
 
     def _die(self, reason: str) -> None:
         killed = killed_process_reason(self.procs, self.config) if not self._started else None

@@ -51,6 +51,7 @@ class ClientState:
         self.size = config.parallel.data_parallel_size
         self.lockstep = config.lockstep
         self.wave = 0
+        self.generation = 0  # of the lockstep group (engine/dp/async_client.py re-forms it)
         self.tracked: dict[str, _Tracked] = {}
         self.waiting = [0] * self.size
         self.running = [0] * self.size
@@ -91,7 +92,7 @@ class ClientState:
         self.waiting[rank] += 1
         messages = [(rank, self.encoder.encode(request))]
         if self.lockstep:
-            wake = self.encoder.encode(Wake(self.wave))
+            wake = self.encoder.encode(Wake(self.wave, self.generation))
             messages += [(r, wake) for r in range(self.size) if r != rank]
         return messages
 
@@ -141,7 +142,7 @@ class ClientState:
             self.wave = max(self.wave, msg.wave_complete + 1)
         if msg.start_wave is not None:
             self.wave = max(self.wave, msg.start_wave)
-            replies = self.broadcast(Wake(msg.start_wave))
+            replies = self.broadcast(Wake(msg.start_wave, self.generation))
         outputs = []
         for out in msg.outputs:
             tracked = self.tracked.get(out.request_id)

@@ -65,9 +65,10 @@ def rank_identity(rank: int) -> bytes:
 
 class RankLoop:
     def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, lockstep: bool,
-                 incarnation: int = 0):
+                 incarnation: int = 0, generation: int = 0):
         self.core = core
         self.incarnation = incarnation
+        self.generation = generation  # of the lockstep group it steps with
         self.broken = False  # lockstep: a collective failed; no step until a Reform
         self.rank = core.rank
         self.inputs, self.outputs = inputs, outputs
@@ -140,9 +141,9 @@ class RankLoop:
                 self.core.abort(msg.request_ids, msg.index)
                 self.send(outputs=self.core.take_pending(), stats=self.stats_due(now=not self.core.has_unfinished))
             elif isinstance(msg, Wake):
-                if self.lockstep and not self.in_wave and msg.wave >= self.wave:
+                if self.lockstep and not self.in_wave and msg.wave >= self.wave and msg.generation == self.generation:
                     self.in_wave = True
-            elif isinstance(msg, Reform):
+            elif isinstance(msg, Reform) and msg.generation != self.generation:  # else a repeat: already in it
                 self.reform(msg.generation)
             elif isinstance(msg, Fault) and msg.kind in RANK_FAULTS:
                 act_out(msg.kind, self.parent)
@@ -172,6 +173,7 @@ class RankLoop:
         """Join group `generation` (engine/dp/reform.py), then report ready under a new incarnation."""
         reset_core(self.core)
         rejoin(self.core, self.core.config, self.rank, generation)
+        self.generation = generation
         self.broken, self.in_wave, self.stale_request, self.wave = False, False, False, 0
         self.incarnation = new_incarnation()
         self.inputs.send(self.encoder.encode(ready_message(self.core, self.incarnation)))
@@ -299,7 +301,8 @@ def run_rank(config: EngineConfig, rank: int, generation: int | None = 0) -> Non
         gc.freeze()
         # Sent on the DEALER so that, once the front end sees it, its ROUTER can route to us.
         inputs.send(msgspec.msgpack.encode(ready_message(core, incarnation)))
-        RankLoop(core, inputs, outputs, lockstep=config.lockstep, incarnation=incarnation).run()
+        RankLoop(core, inputs, outputs, lockstep=config.lockstep, incarnation=incarnation,
+                 generation=generation or 0).run()
     except SystemExit:
         os._exit(0)
     except BaseException as exc:  # report why, then die: the group must not hang on us
