@@ -95,8 +95,15 @@ def tree_rss(root: int) -> dict:
             "children_hwm_mib": round(sum(r.get("VmHWM", 0) for r in rest) / 1024, 1)}
 
 
+def served_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+served_name.cache = {}  # url -> name, read once per server
+
+
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, llama: bool) -> RequestResult:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+    body = {"model": served_name.cache[url], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
     if llama:
         body["cache_prompt"] = False
@@ -122,6 +129,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
 
 async def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, llama: bool,
                     pid: int | None = None) -> dict:
+    served_name.cache.setdefault(url, served_name(url))
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -162,7 +170,7 @@ def greedy_ids(url: str, prompts: list[str], llama: bool) -> list[list[int]]:
                                                             "cache_prompt": False, "return_tokens": True}).json()
                 out.append(r["tokens"])
             else:
-                r = client.post(f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "temperature": 0.0,
+                r = client.post(f"{url}/v1/completions", json={"model": served_name(url), "prompt": prompt, "temperature": 0.0,
                                                                "max_tokens": AGREEMENT_TOKENS, "ignore_eos": True,
                                                                "return_token_ids": True}).json()
                 out.append(r["choices"][0]["token_ids"])
@@ -183,6 +191,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="auto", help="kvsentry's --dtype")
     p.add_argument("--kvsentry-args", default="", help="extra `kvsentry serve` flags (e.g. the int8 path's)")
+    p.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. --no-repack: see docs)")
     p.add_argument("--label", default="", help="names kvsentry's path in the result (e.g. int8)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--input-words", type=int, default=75)
@@ -210,7 +219,7 @@ def main() -> int:
                     asyncio.run(run_level(kv.url, warmup, concurrency, WARMUP_TOKENS, False))
                     row = asyncio.run(run_level(kv.url, prompts, concurrency, args.output_len, False, kv.pid))
                 else:
-                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len) as llama:
+                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args) as llama:
                         asyncio.run(run_level(llama.url, warmup, concurrency, WARMUP_TOKENS, True))
                         row = asyncio.run(run_level(llama.url, prompts, concurrency, args.output_len, True, llama.pid))
                         memory[f"llama.cpp -np {concurrency}"] = tree_rss(llama.pid)
@@ -221,7 +230,7 @@ def main() -> int:
         if not args.no_agreement:
             prompts = text_prompts(AGREEMENT_PROMPTS, args.input_words, args.seed + 424242)
             ours = greedy_ids(kv.url, prompts, False)
-            with LlamaCppServer(gguf, args.threads, 1, args.max_model_len) as llama:
+            with LlamaCppServer(gguf, args.threads, 1, args.max_model_len, args.llama_args) as llama:
                 agree = agreement(ours, greedy_ids(llama.url, prompts, True))
             print("agreement", json.dumps(agree), flush=True)
     ratios = []
@@ -233,7 +242,7 @@ def main() -> int:
     print("ratios", json.dumps(ratios), "\nmemory", json.dumps(memory), flush=True)
     label = f"-{args.label}" if args.label else ""
     write_result(f"serve-gguf-{Path(gguf).stem}-{args.dtype}{label}-t{args.threads}",
-                 {"args": vars(args), "file": gguf, "file_bytes": Path(gguf).stat().st_size, "peer": version(),
+                 {"args": vars(args), "llama_args": args.llama_args, "file": gguf, "file_bytes": Path(gguf).stat().st_size, "peer": version(),
                   "rows": rows, "ratios": ratios, "memory_mib": memory, "greedy_agreement": agree,
                   "note": "2 cores shared with other users of the machine: see load_avg_1m_before per row"}, stamp=stamp)
     return 0
