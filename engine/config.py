@@ -17,6 +17,7 @@ import torch
 
 from engine.placement import check_device_name, check_placement, visible_cuda_devices
 from engine.gguf.hf_config import eos_token_ids, hf_config_from_gguf
+from engine.placement import resolve_dtype
 from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -249,6 +250,7 @@ class EngineConfig:
     max_structured_outputs_spec_bytes: int = 65536  # the spec (schema, regex, grammar, tools) as UTF-8
     max_structured_outputs_choices: int = 4096  # entries of a choice list or of any one JSON schema enum
     max_structured_outputs_depth: int = 128  # JSON nesting of a schema (each object and array is a level)
+    dtype_reason: str = ""  # why model.dtype: "asked for", or what --dtype auto saw (engine/placement.py)
 
     @property
     def lockstep(self) -> bool:
@@ -267,7 +269,7 @@ class EngineConfig:
         return num_tokens
 
     @classmethod
-    def create(cls, model: str, *, tokenizer: str | None = None, dtype: str = "float32",
+    def create(cls, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                kv_cache_memory: int | str = "1GiB",
                num_gpu_blocks: int | None = None, max_model_len: int | None = None,
                data_parallel_size: int = 1, data_parallel_rank: int = 0,
@@ -279,6 +281,7 @@ class EngineConfig:
         for key in kwargs:
             if key not in known:
                 raise ValueError(f"{key}: unknown engine argument")
+        dtype, kwargs["dtype_reason"] = resolve_dtype(dtype, kwargs.get("device", cls.device))
         model_config = ModelConfig.from_pretrained(model, dtype, tokenizer)
         limit = model_config.max_position_embeddings
         if max_model_len is None:

@@ -85,7 +85,8 @@ ENGINE_ARGS = (
     EngineArg("max_num_batched_tokens", "token budget of one step per rank; longer prompts are prefilled in chunks"),
     EngineArg("kv_cache_memory", "KV cache budget per rank, e.g. 4GiB or 512MiB", aliases=("--kv-cache-memory-bytes",)),
     EngineArg("num_gpu_blocks", "number of KV cache blocks per rank; overrides --kv-cache-memory", type=int),
-    EngineArg("dtype", "weights and activations dtype (auto = float32; vLLM's 'float' is float32; float16 is not "
+    EngineArg("dtype", "weights and activations dtype (auto, as vLLM: bfloat16 on a CPU with native bf16, AMX or AVX512-BF16, "
+              "else float32; float32 is the exact path; vLLM's 'float' is float32; float16 is not "
               "supported, use bfloat16)", type=parse_dtype, choices=("auto", "float32", "bfloat16")),
     EngineArg("device", "where the ranks run: cpu, cuda (local rank l on cuda:l of the visible GPUs) or "
               "cuda:N (one local rank only)", type=str),

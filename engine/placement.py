@@ -12,7 +12,9 @@ local ranks on one GPU or more local ranks than there are visible GPUs.
 """
 from __future__ import annotations
 
+import functools
 import re
+from pathlib import Path
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 
@@ -77,3 +79,35 @@ def visible_cuda_devices() -> int:
     """GPUs this process may use (after CUDA_VISIBLE_DEVICES); 0 without CUDA. Creates no context."""
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# -- --dtype auto ---------------------------------------------------------------------------------
+# What it picks and why, as vLLM's CPU backend does: bfloat16 where the CPU multiplies bf16 natively
+# (AVX512-BF16's vdpbf16ps or AMX-BF16 tiles), float32 elsewhere (and on CUDA, whose ranks keep the
+# exact float32 path unless told otherwise). A bf16 GEMM without native support is emulated through
+# float32 and is slower than float32 itself. `--dtype float32` stays the exact path.
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo names
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(the dtype name to run, why): `name` itself unless it is "auto"."""
+    if name != "auto":
+        return name, "asked for"
+    if device != "cpu":
+        return "float32", f"auto: float32 on {device}"
+    native = [flag for flag in NATIVE_BF16_FLAGS if flag in (cpu_flags() if flags is None else flags)]
+    if native:
+        return "bfloat16", f"auto: the CPU has native bf16 ({', '.join(native)})"
+    return "float32", "auto: the CPU has no native bf16 (no amx_bf16 or avx512_bf16)"

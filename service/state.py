@@ -133,7 +133,8 @@ class AppState:
         gc.freeze()  # startup's objects live as long as the server: keep them out of collections
         log_event(logger, "engine_ready", load_s=round(time.monotonic() - started, 3),
                   data_parallel_size=self.config.parallel.data_parallel_size,
-                  num_blocks=self.config.num_blocks, max_model_len=self.config.max_model_len)
+                  num_blocks=self.config.num_blocks, max_model_len=self.config.max_model_len,
+                  dtype=str(self.config.model.dtype).removeprefix("torch."), dtype_reason=self.config.dtype_reason)
         for rank, implementations in sorted(self.client.op_implementations.items()):
             # A kernel that is off or failed to build runs its fallback (engine/ops/registry.py):
             # slower, and for attention and the GEMMs equal only within a tolerance.

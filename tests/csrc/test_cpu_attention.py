@@ -237,7 +237,7 @@ def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoi
     path = checkpoint(preset)
     prompts = [list(range(5, 5 + n)) for n in (1, 7, 40, 90, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-    llm = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16)
+    llm = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16, dtype="float32")
     calls = []
     real, real_layers = cpu_ops.paged_decode_attention, cpu_ops.dense_decoder_layers
     monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: (calls.append(1), real(*a)))
@@ -248,7 +248,7 @@ def test_engine_outputs_match_with_and_without_the_kernel(kvsentry_ops, checkpoi
     # Read when a model loads (its attention backend is chosen once): a second engine, without them.
     monkeypatch.setenv("KVSENTRY_DISABLE_CPU_OPS", "1")
     calls.clear()
-    slow = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16).generate(prompts, params)
+    slow = LLM(path, max_model_len=256, kv_cache_memory="16MiB", block_size=16, dtype="float32").generate(prompts, params)
     assert not calls
     assert len(fast) == len(slow) == len(prompts)
     for a, b in zip(fast, slow):

@@ -31,8 +31,8 @@ def engines(path: str, dtype: torch.dtype, **kwargs) -> tuple[EngineCore, Engine
     args = dict(max_model_len=256, num_gpu_blocks=96, block_size=16, dtype=str(dtype).removeprefix("torch."),
                 enable_prefix_caching=False)
     args.update(kwargs)
-    fused = EngineCore(EngineConfig.create(path, **args))
-    eager = EngineCore(EngineConfig.create(path, enforce_eager=True, **args))
+    fused = EngineCore(EngineConfig.create(path, **{"dtype": "float32", **args}))
+    eager = EngineCore(EngineConfig.create(path, enforce_eager=True, **{"dtype": "float32", **args}))
     assert fused.runner.model.model.fused is not None, "the fused stack was not built"
     assert eager.runner.model.model.fused is None
     return fused, eager
@@ -211,7 +211,7 @@ def test_hooks_and_enforce_eager_take_the_loop(kvsentry_ops, checkpoint, monkeyp
     handle.remove()
     fused.step()
     assert calls == [1, 1]
-    moe = EngineCore(EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=128, num_gpu_blocks=32))
+    moe = EngineCore(EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=128, num_gpu_blocks=32, dtype="float32"))
     assert moe.runner.model.model.fused is None
 
 

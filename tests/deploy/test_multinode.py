@@ -20,7 +20,7 @@ def cluster(checkpoint, tmp_path_factory):
     rpc = free_port_run()
     common = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
               "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
-              "--kv-cache-memory", "64MiB", "--max-model-len", "256"]
+              "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--dtype", "float32"]
     root = Path(__file__).resolve().parents[2]
     worker_log = open(logs / "worker.log", "wb")
     worker = subprocess.Popen([*kvsentry_command(), "serve", model, "--headless",
@@ -56,7 +56,7 @@ def test_requests_are_served_by_both_nodes(cluster, checkpoint):
                 for rank in ("0", "1")}
     assert all(v > 0 for v in admitted.values()), admitted
     # ... and served text equals the single-process engine's greedy text.
-    llm = LLM(checkpoint("tiny-deepseek-v3"), max_model_len=256, kv_cache_memory="16MiB")
+    llm = LLM(checkpoint("tiny-deepseek-v3"), max_model_len=256, kv_cache_memory="16MiB", dtype="float32")
     reference = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert texts == [r.outputs[0].text for r in reference]
     assert worker.poll() is None, "the headless worker must still be running"

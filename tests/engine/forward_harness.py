@@ -27,7 +27,7 @@ from tests.engine.cache_probe import nan_embeddings
 def engine_config(path: str | Path, **kwargs) -> EngineConfig:
     args = dict(num_gpu_blocks=96, block_size=4, max_model_len=256)
     args.update(kwargs)
-    return EngineConfig.create(str(path), **args)
+    return EngineConfig.create(str(path), **{"dtype": "float32", **args})
 
 
 class PagedRunner:

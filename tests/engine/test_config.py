@@ -23,7 +23,7 @@ def ckpt(checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    with LLM(ckpt, num_gpu_blocks=64, block_size=16, max_model_len=64) as engine:
+    with LLM(ckpt, num_gpu_blocks=64, block_size=16, max_model_len=64, dtype="float32") as engine:
         yield engine
 
 
@@ -125,11 +125,11 @@ def test_bad_prompt_in_batch_leaves_nothing_behind(llm):
 
 def test_unknown_engine_argument(ckpt):
     with pytest.raises(ValueError, match="^max_num_seq:.*unknown"):
-        EngineConfig.create(ckpt, max_num_seq=4)
+        EngineConfig.create(ckpt, max_num_seq=4, dtype="float32")
     with pytest.raises(ValueError, match="^num_blocks:"):
-        EngineConfig.create(ckpt, num_blocks=4)  # derived; the argument is num_gpu_blocks
+        EngineConfig.create(ckpt, num_blocks=4, dtype="float32")  # derived; the argument is num_gpu_blocks
     with pytest.raises(ValueError, match="^bogus:"):
-        LLM(ckpt, bogus=True)
+        LLM(ckpt, bogus=True, dtype="float32")
 
 
 @pytest.mark.parametrize("field, kwargs", [
@@ -151,7 +151,7 @@ def test_unknown_engine_argument(ckpt):
 ])
 def test_bad_engine_args_name_the_field(ckpt, field, kwargs):
     with pytest.raises(ValueError, match=rf"^{field}:"):
-        EngineConfig.create(ckpt, **kwargs)
+        EngineConfig.create(ckpt, **{"dtype": "float32", **kwargs})
 
 
 def test_good_engine_config(ckpt):
@@ -165,8 +165,9 @@ def test_good_engine_config(ckpt):
     assert config.pad_buckets[-1] >= 300
     assert config.padded_num_tokens(10**6) == 10**6
     assert config.for_rank(0) == config and config.for_rank(0) is not config
-    assert EngineConfig.create(ckpt, dtype="auto").model.dtype is torch.float32
-    assert EngineConfig.create(ckpt).max_model_len == 2048
+    from engine.placement import resolve_dtype
+    assert EngineConfig.create(ckpt, dtype="auto").model.dtype is getattr(torch, resolve_dtype("auto", "cpu")[0])
+    assert EngineConfig.create(ckpt, dtype="float32").max_model_len == 2048
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -176,9 +177,9 @@ def test_unknown_architecture_named(broken):
     config["architectures"] = ["GPT9000ForCausalLM"]
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPT9000ForCausalLM"):
-        EngineConfig.create(str(broken))
+        EngineConfig.create(str(broken), dtype="float32")
     with pytest.raises(ValueError, match="GPT9000ForCausalLM"):
-        LLM(str(broken))
+        LLM(str(broken), dtype="float32")
 
 
 def test_missing_architectures_key(broken):
@@ -192,24 +193,24 @@ def test_missing_architectures_key(broken):
 def test_missing_config_json(broken):
     (broken / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        LLM(str(broken))
+        LLM(str(broken), dtype="float32")
 
 
 def test_missing_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
-        LLM(str(tmp_path / "nope"))
+        LLM(str(tmp_path / "nope"), dtype="float32")
 
 
 def test_missing_tokenizer_json(broken):
     (broken / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        LLM(str(broken), num_gpu_blocks=8)
+        LLM(str(broken), num_gpu_blocks=8, dtype="float32")
 
 
 def test_missing_safetensors(broken):
     (broken / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        LLM(str(broken), num_gpu_blocks=8)
+        LLM(str(broken), num_gpu_blocks=8, dtype="float32")
 
 
 def test_missing_shard_named(ckpt, tmp_path):
@@ -217,7 +218,7 @@ def test_missing_shard_named(ckpt, tmp_path):
     shard = sorted(path.glob("model-*-of-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
-        LLM(str(path), num_gpu_blocks=8)
+        LLM(str(path), num_gpu_blocks=8, dtype="float32")
 
 
 # ------------------------------------------------------------------------------ parsing helpers

@@ -71,20 +71,20 @@ def test_default_sizes_are_vllm_like_and_cover_max_num_seqs():
 
 def test_config_sorts_given_sizes_and_defaults_from_max_num_seqs(checkpoint):
     path = checkpoint("tiny-llama")
-    assert EngineConfig.create(path, max_num_seqs=20).cuda_graph_sizes == (1, 2, 4, 8, 16, 24)
-    assert EngineConfig.create(path, cuda_graph_sizes=(8, 1, 8, 4)).cuda_graph_sizes == (1, 4, 8)
+    assert EngineConfig.create(path, max_num_seqs=20, dtype="float32").cuda_graph_sizes == (1, 2, 4, 8, 16, 24)
+    assert EngineConfig.create(path, cuda_graph_sizes=(8, 1, 8, 4), dtype="float32").cuda_graph_sizes == (1, 4, 8)
     with pytest.raises(ValueError, match="cuda_graph_sizes"):
-        EngineConfig.create(path, cuda_graph_sizes=(0, 4))
+        EngineConfig.create(path, cuda_graph_sizes=(0, 4), dtype="float32")
 
 
 def test_graphs_apply_only_on_cuda_without_enforce_eager(checkpoint):
-    dense = EngineConfig.create(checkpoint("tiny-llama"))
+    dense = EngineConfig.create(checkpoint("tiny-llama"), dtype="float32")
     assert eager_reason(dense) == "not a CUDA device"
     assert eager_reason(dataclasses.replace(dense, device="cuda", enforce_eager=True)) == "--enforce-eager"
     # MoE and MLA models capture too (tests/engine/test_cuda_graphs_moe.py): only the machine decides.
     on_cuda = eager_reason(dataclasses.replace(dense, device="cuda"))
     for preset in ("tiny-mixtral", "tiny-deepseek-v3"):
-        model = EngineConfig.create(checkpoint(preset))
+        model = EngineConfig.create(checkpoint(preset), dtype="float32")
         assert eager_reason(dataclasses.replace(model, device="cuda")) == on_cuda
 
 
@@ -124,7 +124,7 @@ PROMPTS = [list(range(5, 17)), [7, 8, 9], list(range(20, 61)), [3], list(range(1
 
 def make_core(path: str, graphs: bool, **kwargs) -> EngineCore:
     config = EngineConfig.create(path, max_model_len=128, block_size=4, num_gpu_blocks=96,
-                                 cuda_graph_sizes=(1, 2, 4, 8), **kwargs)
+                                 cuda_graph_sizes=(1, 2, 4, 8), **{"dtype": "float32", **kwargs})
     core = EngineCore(config)
     if graphs:  # what ModelRunner does on a GPU; on CPU no graph is captured, the forwards run eagerly
         runner = core.runner
@@ -189,7 +189,7 @@ def test_dummy_batches_through_the_buffers_leave_the_cache_unchanged(checkpoint,
 
 def test_a_capture_that_dirties_the_null_block_fails_naming_the_layer(checkpoint):
     config = EngineConfig.create(checkpoint("tiny-llama"), max_model_len=64, num_gpu_blocks=32,
-                                 cuda_graph_sizes=(1, 4))
+                                 cuda_graph_sizes=(1, 4), dtype="float32")
     core = EngineCore(config)
     runner = core.runner
     k_cache = layer_tensors(runner.kv_caches[1])[0]

@@ -43,9 +43,9 @@ def test_moe_and_mla_models_choose_decode_graphs_at_dp1_and_with_expert_parallel
     records run eagerly on CPU in the tests below."""
     monkeypatch.setattr(cuda_ops, "available", lambda: True)  # as on a GPU machine with the ops built
     for preset in ("tiny-llama", "tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3"):
-        config = dataclasses.replace(EngineConfig.create(checkpoint(preset)), device="cuda")
+        config = dataclasses.replace(EngineConfig.create(checkpoint(preset), dtype="float32"), device="cuda")
         assert eager_reason(config) is None, preset
-        dp2 = EngineConfig.create(checkpoint(preset), data_parallel_size=2, data_parallel_rank=1)
+        dp2 = EngineConfig.create(checkpoint(preset), data_parallel_size=2, data_parallel_rank=1, dtype="float32")
         assert eager_reason(dataclasses.replace(dp2, device="cuda")) is None, preset
         assert eager_reason(dataclasses.replace(config, enforce_eager=True)) == "--enforce-eager"
 
@@ -71,7 +71,7 @@ class NoHostRead(TorchFunctionMode):
 def test_fixed_shape_moe_blocks_read_nothing_back_and_equal_the_eager_blocks(checkpoint, preset):
     """Every MoE block (router, experts, shared experts) of the fixed-shape step runs without a host
     read; the eager block, which does read back (nonzero, expert counts), is caught by the same check."""
-    model = load_model(EngineConfig.create(checkpoint(preset)))
+    model = load_model(EngineConfig.create(checkpoint(preset), dtype="float32"))
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks
     hidden = torch.randn(8, model.config.model.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -137,7 +137,7 @@ def test_padded_rows_write_nothing_and_change_no_real_row(checkpoint, preset):
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v2", "tiny-deepseek-v3"])
 def test_fixed_shape_mla_decode_equals_the_eager_read_and_spreads_a_null_block_nan_the_same_way(
         checkpoint, preset):
-    config = EngineConfig.create(checkpoint(preset), max_model_len=64, block_size=4, num_gpu_blocks=32)
+    config = EngineConfig.create(checkpoint(preset), max_model_len=64, block_size=4, num_gpu_blocks=32, dtype="float32")
     attn = load_model(config).model.layers[0].self_attn
     gen = torch.Generator().manual_seed(3)
     width = attn.kv_lora_rank + attn.rope_dim
@@ -228,14 +228,14 @@ def test_dp2_expert_parallel_fixed_shape_tokens_equal_dp1_eager(checkpoint, tmp_
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, (1, 13, 5, 22, 3, 9), seed=4)
     short = make_prompts(vocab, (5, 3, 6, 2), seed=5)
-    single = LLM(path, **DP_ARGS)
+    single = LLM(path, **{"dtype": "float32", **DP_ARGS})
     try:
         expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
         expected_short = [o.outputs[0].token_ids for o in single.generate(short, GREEDY)]
     finally:
         single.close()
     with mock.patch.object(dp_client, "run_rank", functools.partial(graph_rank, str(tmp_path))):
-        llm = LLM(path, data_parallel_size=2, data_parallel_rpc_port=free_port_block(3), **DP_ARGS)
+        llm = LLM(path, data_parallel_size=2, data_parallel_rpc_port=free_port_block(3), **{"dtype": "float32", **DP_ARGS})
     try:
         spread = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, rank_of=[0, 1] * 3)]
         on_rank0 = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, rank_of=[0] * 6)]

@@ -47,7 +47,7 @@ def make_dp_llm(path: str, report_dir: Path | None = None, legacy_dummy: bool = 
     probe = probed_ranks(report_dir, legacy_dummy) if report_dir or legacy_dummy else contextlib.nullcontext()
     with probe:
         return LLM(path, data_parallel_size=2, data_parallel_rpc_port=free_port_block(3),
-                   **{**ENGINE_ARGS, **overrides})
+                   **{"dtype": "float32", **{**ENGINE_ARGS, **overrides}})
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def references(checkpoint):
             vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
             prompts = make_prompts(vocab, MIXED_LENGTHS, seed=1)
             hf = hf_greedy(path, prompts, GREEDY16.max_tokens)
-            single = LLM(path, **ENGINE_ARGS)
+            single = LLM(path, **{"dtype": "float32", **ENGINE_ARGS})
             dp1 = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY16)]
             made[model] = (prompts, hf, dp1)
         return made[model]
@@ -230,7 +230,7 @@ def test_legacy_dummy_batch_poisons_idle_rank(legacy, dp_llm, checkpoint):
     path = checkpoint("tiny-deepseek-v3")
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, LEGACY_LENGTHS, seed=7)
-    reference = [o.outputs[0].token_ids for o in LLM(path, **ENGINE_ARGS).generate(prompts, GREEDY16)]
+    reference = [o.outputs[0].token_ids for o in LLM(path, **{"dtype": "float32", **ENGINE_ARGS}).generate(prompts, GREEDY16)]
     if legacy:
         llm = make_dp_llm(path, legacy_dummy=True, nan_sentinel="null-block")
     else:
@@ -325,7 +325,7 @@ def test_random_arrivals_and_aborts_drain(dp_llm, checkpoint):
     assert not engine.state.tracked
     assert_cache_clean(engine.stats)
     # Completed requests are exact: the same greedy tokens as one unpadded rank.
-    single = LLM(checkpoint(model), **ENGINE_ARGS)
+    single = LLM(checkpoint(model), **{"dtype": "float32", **ENGINE_ARGS})
     ps = list(finished.values())
     outs = single.generate([p["prompt"] for p in ps],
                            [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], ignore_eos=True)

@@ -162,8 +162,8 @@ def test_gguf_serves_exactly_what_the_checkpoint_serves(case, tmp_path):
     prompts = [[5, 9, 33, 2, 17], [100, 3], list(range(40, 71))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     args = dict(max_model_len=256, kv_cache_memory="16MiB", num_threads=1)
-    expected = LLM(directory, **args).generate(prompts, params)
-    got = LLM(str(path), tokenizer=directory, **args).generate(prompts, params)
+    expected = LLM(directory, **{"dtype": "float32", **args}).generate(prompts, params)
+    got = LLM(str(path), tokenizer=directory, **{"dtype": "float32", **args}).generate(prompts, params)
     for ref, out in zip(expected, got):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
@@ -174,7 +174,7 @@ def test_each_expert_parallel_rank_dequantizes_only_its_experts(checkpoint, tmp_
     from engine.models.registry import build_model
     directory = checkpoint("tiny-qwen3-moe")
     path = write_gguf(directory, tmp_path / "moe.gguf")
-    config = EngineConfig.create(str(path), tokenizer=directory, data_parallel_size=2, kv_cache_memory="8MiB")
+    config = EngineConfig.create(str(path), tokenizer=directory, data_parallel_size=2, kv_cache_memory="8MiB", dtype="float32")
     owned = []
     for rank in range(2):
         model = build_model(config.for_rank(rank))
@@ -187,8 +187,8 @@ def test_each_expert_parallel_rank_dequantizes_only_its_experts(checkpoint, tmp_
 
 def test_config_from_metadata_matches_config_json(checkpoint, tmp_path):
     directory = checkpoint("tiny-deepseek-v3")
-    gguf_config = EngineConfig.create(str(write_gguf(directory, tmp_path / "v3.gguf")), tokenizer=directory)
-    dir_config = EngineConfig.create(directory)
+    gguf_config = EngineConfig.create(str(write_gguf(directory, tmp_path / "v3.gguf")), tokenizer=directory, dtype="float32")
+    dir_config = EngineConfig.create(directory, dtype="float32")
     for field in ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "kv_lora_rank", "qk_rope_head_dim", "num_experts", "tie_word_embeddings"):
         assert getattr(gguf_config.model, field) == getattr(dir_config.model, field), field
@@ -233,8 +233,8 @@ def test_quantized_gguf_serves_its_dequantized_weights_exactly(checkpoint, tmp_p
     prompts = [[5, 9, 33, 2, 17], list(range(40, 71))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     args = dict(max_model_len=128, kv_cache_memory="8MiB", num_threads=1, dtype=dtype)
-    expected = LLM(str(rounded), **args).generate(prompts, params)
-    got = LLM(str(path), tokenizer=directory, **args).generate(prompts, params)
+    expected = LLM(str(rounded), **{"dtype": "float32", **args}).generate(prompts, params)
+    got = LLM(str(path), tokenizer=directory, **{"dtype": "float32", **args}).generate(prompts, params)
     for ref, out in zip(expected, got):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
@@ -263,9 +263,9 @@ def test_unsupported_architecture_is_named(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
-        EngineConfig.create(str(path))
+        EngineConfig.create(str(path), dtype="float32")
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
-        EngineConfig.create(str(tmp_path / "missing.gguf"))
+        EngineConfig.create(str(tmp_path / "missing.gguf"), dtype="float32")
     (tmp_path / "text.gguf").write_text("not a gguf")
     with pytest.raises(ValueError, match="not a GGUF file"):
         hf_config_from_gguf(read_gguf(tmp_path / "text.gguf"))
@@ -277,7 +277,7 @@ def test_load_logs_its_time_and_draws_a_bar_only_on_a_terminal(checkpoint, tmp_p
     from engine.worker.loader import load_model
     directory = checkpoint("tiny-llama")
     config = EngineConfig.create(str(write_gguf(directory, tmp_path / "llama.gguf")), tokenizer=directory,
-                                 kv_cache_memory="8MiB")
+                                 kv_cache_memory="8MiB", dtype="float32")
     with caplog.at_level(logging.INFO, logger="engine.worker.loader"):
         load_model(config)
     assert re.search(r"loaded llama\.gguf \(\d+ tensors, float32\) in [\d.]+ s on DP rank 0", caplog.text)

@@ -40,7 +40,7 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     args = dict(tokenizer=directory, max_model_len=256, kv_cache_memory="8MiB", num_threads=1,
                 dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False)
-    quant = LLM(str(path), **args)
+    quant = LLM(str(path), **{"dtype": "float32", **args})
     linears = _packed(quant)
     assert linears and all(p is not None and p.panels is not None and p.panels.dtype == torch.uint8
                            for p in linears), [None if p is None else p.panels.dtype for p in linears]
@@ -52,7 +52,7 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     assert all((p.wide_panels is not None) == beside for p in linears)
     got = quant.generate(prompts, params)
     monkeypatch.setenv("KVSENTRY_DISABLE_QUANT_PANELS", "1")
-    plain = LLM(str(path), **args)
+    plain = LLM(str(path), **{"dtype": "float32", **args})
     assert all(p.panels.dtype == dtype for p in _packed(plain))  # the same linears, dense panels
     want = plain.generate(prompts, params)
     for ref, out in zip(want, got):

@@ -52,7 +52,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(reference, variant):
     path, prompts, expected, _ = reference
-    llm = LLM(path, max_model_len=512, kv_cache_memory="64MiB", **VARIANTS[variant])
+    llm = LLM(path, max_model_len=512, kv_cache_memory="64MiB", **{"dtype": "float32", **VARIANTS[variant]})
     outs = llm.generate(prompts, GREEDY)
     for prompt, out, ref in zip(prompts, outs, expected):
         assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged ({variant})"
@@ -75,14 +75,14 @@ def test_greedy_matches_transformers(reference, variant):
 
 def test_single_prompt_alone(reference):
     path, prompts, expected, _ = reference
-    llm = LLM(path, max_model_len=512, kv_cache_memory="16MiB")
+    llm = LLM(path, max_model_len=512, kv_cache_memory="16MiB", dtype="float32")
     for i in (0, 7, 14):
         assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == expected[i]
 
 
 def test_teacher_forced_logprobs(reference):
     path, prompts, _, model = reference
-    llm = LLM(path, max_model_len=512, kv_cache_memory="16MiB", max_num_batched_tokens=64)
+    llm = LLM(path, max_model_len=512, kv_cache_memory="16MiB", max_num_batched_tokens=64, dtype="float32")
     chosen = [prompts[i] for i in (3, 8, 11, 14)]
     outs = llm.generate(chosen, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
     for prompt, out in zip(chosen, outs):

@@ -60,7 +60,7 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
     config = EngineConfig.create(path, max_model_len=128, block_size=BLOCK, num_gpu_blocks=24,
                                  max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=prefix,
                                  dummy_batch_random_inputs=random_dummy, kv_checksums="full",
-                                 scheduling_policy=policy, priority_aging_steps=3)
+                                 scheduling_policy=policy, priority_aging_steps=3, dtype="float32")
     core = EngineCore(config)
     written: list[torch.Tensor] = []
     real_write, real_layers = llama_module.write_kv, cpu_ops.dense_decoder_layers

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def make_core(path: str, **kwargs) -> EngineCore:
     args = dict(max_model_len=256, block_size=BLOCK, num_gpu_blocks=40, kv_checksum_blocks_per_step=4)
     args.update(kwargs)
-    return EngineCore(EngineConfig.create(path, **args))
+    return EngineCore(EngineConfig.create(path, **{"dtype": "float32", **args}))
 
 
 def cache_bytes(core: EngineCore) -> list[torch.Tensor]:
@@ -158,7 +158,7 @@ def test_dp2_lockstep_dummy_batches_write_nothing_foreign_until_a_stale_one_runs
     from engine.frontend.llm import LLM
     from service.demo import default_demo_path
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, kv_checksums="full") as dp:
+    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, kv_checksums="full", dtype="float32") as dp:
         dp.generate([prompt(4, 3 * BLOCK), prompt(5, 20)], [long, GREEDY], rank_of=[0, 1])
         wait_stats(dp.engine, wave_over, what="the wave's last stats")  # ranks report as a wave ends
         clean = dp.engine.stats

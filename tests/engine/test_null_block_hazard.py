@@ -36,7 +36,7 @@ def path(checkpoint):
 
 
 def make_core(path: str, legacy_dummy: bool = False) -> EngineCore:
-    config = EngineConfig.create(path, max_model_len=256, block_size=16, num_gpu_blocks=32, nan_sentinel="off")
+    config = EngineConfig.create(path, max_model_len=256, block_size=16, num_gpu_blocks=32, nan_sentinel="off", dtype="float32")
     return LegacyDummyCore(config) if legacy_dummy else EngineCore(config)
 
 

@@ -106,20 +106,20 @@ def test_visible_devices_respect_cuda_availability(gpus):
 @pytest.fixture(scope="module")
 def cpu_config(checkpoint):
     return EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=64, num_gpu_blocks=8,
-                               data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2)
+                               data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2, dtype="float32")
 
 
 def test_config_refuses_more_local_ranks_than_gpus(checkpoint, gpus):
     gpus(1)
     with pytest.raises(ValueError, match="--data-parallel-size-local 2 needs one GPU per local rank, but only 1"):
         EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=64, num_gpu_blocks=8, device="cuda",
-                            data_parallel_size=2)
+                            data_parallel_size=2, dtype="float32")
     gpus(2)
     config = EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=64, num_gpu_blocks=8, device="cuda",
-                                 data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2)
+                                 data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2, dtype="float32")
     assert config.device == "cuda"
     with pytest.raises(ValueError, match="--device: must be cpu, cuda or cuda:N"):
-        EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=64, num_gpu_blocks=8, device="tpu")
+        EngineConfig.create(checkpoint("tiny-mixtral"), max_model_len=64, num_gpu_blocks=8, device="tpu", dtype="float32")
 
 
 def test_rank_gets_the_device_of_its_local_index(cpu_config, gpus):

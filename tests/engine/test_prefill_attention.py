@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 
 def run(path: str, prompts: list[list[int]], chunk: int, **config) -> list[tuple[list[int], list[float]]]:
     core = EngineCore(EngineConfig.create(path, max_model_len=512, block_size=16, num_gpu_blocks=64,
-                                          max_num_batched_tokens=chunk, **config))
+                                          max_num_batched_tokens=chunk, **{"dtype": "float32", **config}))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     for i, prompt in enumerate(prompts):
         core.add_request(EngineRequest(f"r{i}", prompt, params))

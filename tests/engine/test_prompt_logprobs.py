@@ -33,7 +33,7 @@ def reference(ckpt) -> torch.Tensor:  # [len(PROMPT_IDS), vocab]: row t predicts
 @pytest.fixture(scope="module")
 def llm(ckpt):
     with LLM(ckpt, num_gpu_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=16,
-             enable_prefix_caching=True) as engine:
+             enable_prefix_caching=True, dtype="float32") as engine:
         yield engine
 
 

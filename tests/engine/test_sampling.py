@@ -34,7 +34,7 @@ def ckpt(checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    with LLM(ckpt, num_gpu_blocks=512, block_size=16, max_model_len=256) as engine:
+    with LLM(ckpt, num_gpu_blocks=512, block_size=16, max_model_len=256, dtype="float32") as engine:
         yield engine
 
 
@@ -231,7 +231,7 @@ def test_prompt_logprobs_with_n_samples(llm):
 
 def test_prompt_logprobs_with_chunked_prefill(ckpt, hf_model):
     prompt_ids = [0] + list(range(10, 60))
-    with LLM(ckpt, num_gpu_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=16) as small:
+    with LLM(ckpt, num_gpu_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=16, dtype="float32") as small:
         [out] = small.generate([prompt_ids], SP(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     ref = hf_logprobs(hf_model, prompt_ids)
     assert len(out.prompt_logprobs) == len(prompt_ids) and out.prompt_logprobs[0] is None
@@ -337,7 +337,7 @@ def test_every_generation_config_eos_id_stops(ckpt, tmp_path, llm):
     assert isinstance(config["eos_token_id"], list) and len(config["eos_token_id"]) > 1
     config["eos_token_id"] = [EOS_ID, g]
     (path / "generation_config.json").write_text(json.dumps(config))
-    with LLM(str(path), num_gpu_blocks=64, block_size=16, max_model_len=256) as other:
+    with LLM(str(path), num_gpu_blocks=64, block_size=16, max_model_len=256, dtype="float32") as other:
         out = one(other, PROMPT, SP(temperature=0.0, max_tokens=8))
     assert out.token_ids == [g] and out.finish_reason == "stop"
 

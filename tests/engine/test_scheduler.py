@@ -289,7 +289,7 @@ def ckpt(checkpoint):
 def core(ckpt, **kw) -> EngineCore:
     args = dict(num_gpu_blocks=128, block_size=BS, max_model_len=128)
     args.update(kw)
-    return EngineCore(EngineConfig.create(ckpt, **args))
+    return EngineCore(EngineConfig.create(ckpt, **{"dtype": "float32", **args}))
 
 
 PROMPTS = [[0] + [(7 * i + 13 * j) % 500 + 5 for j in range(9 + 2 * i)] for i in range(4)]
@@ -342,7 +342,7 @@ def test_preempted_seeded_sampling_same_tokens(ckpt):
 
 def test_prompt_logprobs_not_duplicated_by_preemption(ckpt):
     params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=1)
-    with LLM(ckpt, num_gpu_blocks=13, block_size=BS, max_model_len=128) as llm:
+    with LLM(ckpt, num_gpu_blocks=13, block_size=BS, max_model_len=128, dtype="float32") as llm:
         outs = llm.generate(PROMPTS, params)
         assert llm.engine.scheduler.num_preemptions > 0
     for prompt, o in zip(PROMPTS, outs):
@@ -394,7 +394,7 @@ def test_n_siblings_wait_then_hit_prefix_cache(ckpt):
 
 
 def test_n_siblings_through_llm_share_prefix(ckpt):
-    with LLM(ckpt, num_gpu_blocks=128, block_size=BS, max_model_len=128) as llm:
+    with LLM(ckpt, num_gpu_blocks=128, block_size=BS, max_model_len=128, dtype="float32") as llm:
         prompt = [0] + list(range(40, 59))
         [out] = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6))
         assert len(out.outputs) == 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]

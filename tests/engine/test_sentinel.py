@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def make_core(path: str, **kwargs) -> EngineCore:
     args = dict(max_model_len=256, block_size=8, num_gpu_blocks=40, nan_scan_blocks_per_step=4, nan_scan_budget=0.0)
     args.update(kwargs)
-    return EngineCore(EngineConfig.create(path, **args))
+    return EngineCore(EngineConfig.create(path, **{"dtype": "float32", **args}))
 
 
 def nan_values(core: EngineCore) -> dict[tuple[int, str], int]:
@@ -209,4 +209,4 @@ def test_null_block_period_defaults_by_device_and_rejects_negatives(checkpoint):
     assert make_core(checkpoint("tiny-llama"), nan_sentinel="full").integrity.sentinel.null_block_steps == 1
     assert make_core(checkpoint("tiny-llama"), nan_sentinel="off").integrity.sentinel.null_block_steps == 0
     with pytest.raises(ValueError, match="nan_scan_null_every"):
-        EngineConfig.create(checkpoint("tiny-llama"), nan_scan_null_every=-1)
+        EngineConfig.create(checkpoint("tiny-llama"), nan_scan_null_every=-1, dtype="float32")

@@ -194,7 +194,7 @@ def test_saved_checkpoint_is_token_identical_at_dp1(name, saved, tokenizer_dir):
     fused = {n for n in saved_names(path) if n.endswith(".experts.gate_up_proj")}
     assert bool(fused) == ("save_original_format" in case.save)
     assert (path / "model.safetensors.index.json").is_file() == ("max_shard_size" in case.save)
-    with LLM(str(path), tokenizer=str(tokenizer_dir), **ENGINE_ARGS) as llm:
+    with LLM(str(path), tokenizer=str(tokenizer_dir), **{"dtype": "float32", **ENGINE_ARGS}) as llm:
         outputs = llm.generate(prompts, GREEDY)
     for prompt, output, reference in zip(prompts, outputs, expected):
         assert output.outputs[0].token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
@@ -207,7 +207,7 @@ def test_saved_moe_checkpoint_is_token_identical_at_dp2(name, saved, tokenizer_d
     both serve, and the other rank runs dummy batches to keep the collectives in step."""
     path, prompts, expected = saved(name)
     with LLM(str(path), tokenizer=str(tokenizer_dir), data_parallel_size=2,
-             data_parallel_rpc_port=free_port_block(3), **ENGINE_ARGS) as llm:
+             data_parallel_rpc_port=free_port_block(3), **{"dtype": "float32", **ENGINE_ARGS}) as llm:
         outputs = llm.generate(prompts, GREEDY, rank_of=[i % 2 for i in range(len(prompts))])
     for prompt, output, reference in zip(prompts, outputs, expected):
         assert output.outputs[0].token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
@@ -221,4 +221,4 @@ def test_fields_the_engine_does_not_implement_are_refused(model_class, config, e
     """Not served wrong in silence: a sliding window shorter than max_model_len, a non-SiLU MLP."""
     write_checkpoint(Case(model_class, config), tmp_path)
     with pytest.raises(ValueError, match=error):
-        LLM(str(tmp_path), tokenizer=str(tokenizer_dir), **ENGINE_ARGS)
+        LLM(str(tmp_path), tokenizer=str(tokenizer_dir), **{"dtype": "float32", **ENGINE_ARGS})

@@ -30,7 +30,7 @@ def strict_fp32(monkeypatch):
 
 
 def make_core(path: str, device: str, **kwargs) -> EngineCore:
-    return EngineCore(EngineConfig.create(path, device=device, **{**ENGINE_ARGS, **kwargs}))
+    return EngineCore(EngineConfig.create(path, device=device, **{"dtype": "float32", **{**ENGINE_ARGS, **kwargs}}))
 
 
 def greedy(core: EngineCore, limits: list[int]) -> list[list[int]]:

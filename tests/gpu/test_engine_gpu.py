@@ -20,7 +20,7 @@ MAX_TOKENS = 16
 def greedy_tokens(path: str, device: str) -> tuple[list[list[int]], int | None]:
     from engine import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm = LLM(model=path, device=device, kv_cache_memory="256MiB")
+    llm = LLM(model=path, device=device, kv_cache_memory="256MiB", dtype="float32")
     try:
         outputs = llm.generate(PROMPTS, params)
         runner = getattr(llm.engine, "runner", None)

@@ -52,6 +52,8 @@ class ServerProcess:
         self.api_key = api_key
         argv = [*kvsentry_command(), "serve", *([model] if model else []), "--port", str(self.port),
                 "--data-parallel-rpc-port", str(free_port_run()), "--kv-cache-memory", "64MiB", *flags]
+        if "--dtype" not in flags:  # the exact path the tests compare with transformers in float32
+            argv += ["--dtype", "float32"]
         if api_key:
             argv += ["--api-key", api_key]
         self.log_path = log_dir / f"kvsentry-{self.port}.log"

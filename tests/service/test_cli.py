@@ -176,7 +176,7 @@ def test_a_vllm_tool_calling_command_line_serves(captured, llama_path, tmp_path)
     assert config.model.path == llama_path and (captured["host"], captured["port"]) == ("127.0.0.3", 8001)
     assert config.model.dtype == torch.float32 and config.max_model_len == 256 and config.max_num_seqs == 4
     assert config.max_num_batched_tokens == 128
-    assert config.num_blocks == EngineConfig.create(llama_path, kv_cache_memory="16MiB", block_size=16).num_blocks
+    assert config.num_blocks == EngineConfig.create(llama_path, kv_cache_memory="16MiB", block_size=16, dtype="float32").num_blocks
     assert not config.enable_prefix_caching and config.seed == 5 and config.enforce_eager and config.block_size == 16
     assert settings.chat_template == template.read_text() and settings.trust_request_chat_template
     assert settings.tool_call_parser == "hermes" and settings.reasoning_parser == "deepseek_r1"

@@ -35,7 +35,7 @@ def test_dp2_greedy_text_matches_single_rank_offline_llm(dp_server, moe_path):
                                             extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
     batched = client.completions.create(model="moe", prompt=PROMPTS, max_tokens=16, temperature=0.0,
                                         extra_body={"ignore_eos": True})
-    with LLM(moe_path, kv_cache_memory="64MiB", max_model_len=512) as llm:
+    with LLM(moe_path, kv_cache_memory="64MiB", max_model_len=512, dtype="float32") as llm:
         offline = [o.outputs[0].text for o in llm.generate(
             PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
     assert http_texts == offline

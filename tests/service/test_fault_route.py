@@ -32,7 +32,7 @@ class ReadyClient:
 
 @pytest.fixture(scope="module")
 def config(llama_path) -> EngineConfig:
-    return EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="4MiB")
+    return EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="4MiB", dtype="float32")
 
 
 def client_for(config: EngineConfig, enable: bool) -> tuple[TestClient, ReadyClient]:

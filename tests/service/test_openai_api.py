@@ -81,7 +81,7 @@ def test_stop_string_cuts_the_text(openai_client):
 
 def test_stop_token_ids(openai_client, llama_path):
     from engine import LLM, SamplingParams
-    with LLM(llama_path, kv_cache_memory="64MiB") as llm:
+    with LLM(llama_path, kv_cache_memory="64MiB", dtype="float32") as llm:
         ids = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
     stop_id = ids[2]
     stopped = openai_client.completions.create(
@@ -252,7 +252,7 @@ def test_greedy_text_matches_offline_llm(openai_client, llama_path):
         openai_client.completions.create(prompt=prompts, max_tokens=24,
                                          **greedy(extra_body={"ignore_eos": True})).choices,
         key=lambda c: c.index)]
-    with LLM(llama_path, kv_cache_memory="64MiB", max_model_len=MAIN_MAX_MODEL_LEN) as llm:
+    with LLM(llama_path, kv_cache_memory="64MiB", max_model_len=MAIN_MAX_MODEL_LEN, dtype="float32") as llm:
         offline = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert http_texts == [o.outputs[0].text for o in offline]
 

@@ -25,7 +25,7 @@ def field_bounds(model: type, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def config(llama_path) -> EngineConfig:
-    return EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="4MiB")
+    return EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="4MiB", dtype="float32")
 
 
 def test_every_request_field_reaches_the_engine_or_changes_no_tokens():

@@ -33,7 +33,7 @@ MODEL_NAME = "fuzz"
 @pytest.fixture(scope="module")
 def app(llama_path):
     config = EngineConfig.create(llama_path, max_model_len=64, kv_cache_memory="16MiB", num_threads=1,
-                                 data_parallel_rpc_port=free_port_run())
+                                 data_parallel_rpc_port=free_port_run(), dtype="float32")
     settings = ServeSettings(served_model_names=(MODEL_NAME,), max_queued_requests=10_000)
     state = AppState(config, AsyncEngineClient(config), settings)
     return build_app(state)
