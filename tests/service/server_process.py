@@ -80,7 +80,7 @@ class ServerProcess:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
                              timeout=kwargs.pop("timeout", 60), **kwargs)
 
-    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
