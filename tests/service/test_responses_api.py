@@ -250,6 +250,41 @@ def test_other_bad_requests_are_4xx_never_5xx(server, http):
     server.wait_idle()
 
 
+def test_langchain_through_the_responses_api(server):
+    """LangChain's ChatOpenAI with use_responses_api: text, a forced tool call and its result sent
+    back (the agent loop), streaming and structured output, with the fields it sends by default."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    class GetWeather(pydantic.BaseModel):
+        """Current weather of a city."""
+        unit: str = pydantic.Field(json_schema_extra={"enum": ["celsius", "fahrenheit"]})
+
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=server.api_key,
+                                      use_responses_api=True, max_tokens=48, temperature=0, max_retries=0)
+    assert llm.invoke("Hello").text
+    tools = llm.bind_tools([GetWeather], tool_choice="GetWeather")
+    ask = HumanMessage("Weather in Paris?")
+    called = tools.invoke([ask])
+    [call] = called.tool_calls
+    assert call["name"] == "GetWeather" and call["args"]["unit"] in ("celsius", "fahrenheit")
+    again = tools.invoke([ask, called, ToolMessage("sunny", tool_call_id=call["id"])])
+    assert again.tool_calls[0]["name"] == "GetWeather"
+    assert again.usage_metadata["input_tokens"] > called.usage_metadata["input_tokens"]
+    assert "".join(chunk.text for chunk in llm.stream("Hello")) == llm.invoke("Hello").text
+    assert llm.with_structured_output(GetWeather).invoke("Weather?").unit in ("celsius", "fahrenheit")
+
+
+def test_a_client_leaving_a_stream_frees_its_request(server):
+    aborted = sum(server.metric("kvsentry_request_success_total", finished_reason="abort"))
+    body = {"model": MODEL, "input": "Hello", "stream": True, "max_output_tokens": 3000, "ignore_eos": True}
+    with server.client() as client, client.stream("POST", ROUTE, json=body) as reply:
+        lines = reply.iter_lines()
+        assert next(lines) == "event: response.created"
+    server.wait_idle(timeout=30)
+    assert sum(server.metric("kvsentry_request_success_total", finished_reason="abort")) == aborted + 1
+
+
 def test_counted_in_the_http_metrics(server, openai_client):
     before = sum(server.metric("kvsentry_http_requests_total", route=ROUTE, status="200"))
     openai_client.responses.create(input="Hi", max_output_tokens=1, **greedy())
