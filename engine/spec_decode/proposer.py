@@ -8,7 +8,6 @@ matches an n-gram of useful length, and then nothing is proposed (the step stays
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -27,12 +26,16 @@ class NgramProposer:
         num_tokens = len(tokens)
         if limit <= 0 or num_tokens <= self.min_n:
             return []
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[num_tokens - n:]
-            # Windows starting at 0 .. num_tokens - n - 1: every earlier n-gram (not the suffix itself).
-            windows = sliding_window_view(tokens[:num_tokens - 1], n)  # [num_tokens - n, n]
-            starts = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(starts):
-                follow = starts[-1] + n  # the latest match: nearest context, longest continuation is capped anyway
-                return tokens[follow:follow + limit].tolist()
-        return []
+        # Candidates: earlier positions holding the last token; each n-gram only narrows them.
+        ends = np.flatnonzero(tokens[:num_tokens - 1] == tokens[-1])  # [candidates] match ends
+        matched = 1
+        for n in range(2, min(self.max_n, num_tokens - 1) + 1):
+            ends_n = ends[ends >= n - 1]
+            ends_n = ends_n[tokens[ends_n - (n - 1)] == tokens[num_tokens - n]]
+            if len(ends_n) == 0:
+                break
+            ends, matched = ends_n, n
+        if len(ends) == 0 or matched < self.min_n:
+            return []
+        follow = int(ends[-1]) + 1  # the latest match of the longest n-gram
+        return tokens[follow:follow + limit].tolist()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.gate import AcceptanceGate
+from engine.spec_decode.gate import AcceptanceGate, draft_threshold, step_pays
 from engine.spec_decode.proposer import NgramProposer
 from engine.spec_decode.stats import SpecDecodeStats
 
@@ -29,19 +29,28 @@ class Speculator:
         self.gates: dict[str, AcceptanceGate] = {}  # request key -> its gate (running requests only)
 
     def propose(self, running: list[Request]) -> None:
-        """Set the drafts of every running request for the next step ([] for most)."""
-        gates = {}
+        """Set the drafts of every running request for the next step: [] for most, and for all
+        when verifying them would not pay for the step (gate.py)."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]  # not prefilling
+        threshold = draft_threshold(len(decoding))
+        gates, plans = {}, []
         for request in running:
-            gate = gates[request.key] = self.gates.get(request.key) or AcceptanceGate()
             request.draft_token_ids = []
-            if request.num_tokens - request.num_computed_tokens != 1 or not speculates(request):
-                continue  # still prefilling (or recomputing after a preemption)
-            if not gate.may_propose():
+        for request in decoding:
+            gate = gates[request.key] = self.gates.get(request.key) or AcceptanceGate()
+            if not speculates(request):
                 continue
             # Never draft past what the request may still emit: the step emits drafts + 1 tokens.
             room = min(request.params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-            request.draft_token_ids = self.proposer.propose(request.all_token_ids, room)
+            count = gate.num_drafts(min(room, self.proposer.k), threshold)
+            drafts = self.proposer.propose(request.all_token_ids, count) if count > 0 else []
+            if drafts:
+                plans.append((request, drafts, gate.expected_accepted(len(drafts))))
         self.gates = gates
+        expected = sum(e for _, _, e in plans)
+        if plans and step_pays(expected, sum(len(d) for _, d, _ in plans), len(decoding)):
+            for request, drafts, _ in plans:
+                request.draft_token_ids = drafts
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.stats.record(num_drafts, num_accepted)

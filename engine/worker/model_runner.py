@@ -113,7 +113,7 @@ class ModelRunner:
             logits = all_logits[:len(sample_rows)]  # [num_sampling, vocab]
             to_sample = [requests[i] for i in sample_rows]
             # Tokens, logprobs, and per row whether the logits are all finite (the sentinel's check).
-            tokens, logprobs, finite = self.sampler.sample_step(logits, to_sample)
+            tokens, logprobs, finite = self.sampler.sample_step(logits, to_sample) if to_sample else ([], [], [])
             for request, token, lp, ok in zip(to_sample, tokens, logprobs, finite):
                 out.sampled[request.key] = token
                 if lp is not None:

@@ -13,7 +13,7 @@ from engine.engine_args import ENGINE_ARGS
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
-from engine.spec_decode.gate import MAX_BACKOFF, AcceptanceGate
+from engine.spec_decode.gate import Q_PRIOR, RETRY_STEPS, AcceptanceGate, draft_threshold, step_pays
 from engine.spec_decode.proposer import NgramProposer
 from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
 from engine.worker.sampler import Sampler
@@ -65,21 +65,27 @@ def test_proposer_takes_the_longest_suffix_match_latest_first():
     assert strict.propose([1, 5, 9, 5, 8, 5]) == []                    # only a 1-gram matches
 
 
-def test_gate_backs_off_exponentially_and_resets_on_acceptance():
+def test_gate_drafts_what_pays_and_retries_after_a_pause():
+    """One decoding request tries K drafts at the prior rate; a full batch of 8 fewer; a step
+    where only an unlikely draft would be verified is not worth it; a request whose drafts keep
+    failing stops proposing and gets fresh chances at doubling intervals."""
+    assert draft_threshold(1) < 0.3 < 0.7 < draft_threshold(8) < Q_PRIOR
+    assert AcceptanceGate().num_drafts(4, draft_threshold(1)) == 4
+    assert 1 <= AcceptanceGate().num_drafts(4, draft_threshold(8)) < 4
+    assert step_pays(3.0, 4, 1) and not step_pays(0.3, 4, 1)
+    assert not step_pays(3.0, 4, 8) and step_pays(8 * 2.5, 8 * 3, 8)  # one quoting request of 8 does not pay
     gate = AcceptanceGate()
-    skipped = []
-    for _ in range(8):
-        assert gate.may_propose()
-        gate.record(4, 0)
-        skips = 0
-        while not gate.may_propose():
-            skips += 1
-        skipped.append(skips)
-    assert skipped == [1, 2, 4, 8, 16, 32, MAX_BACKOFF, MAX_BACKOFF]
-    gate.record(4, 1)
-    assert gate.may_propose() and gate.may_propose()
-    gate.record(0, 0)  # no drafts: nothing learnt
-    assert gate.may_propose()
+    pauses = []
+    for _ in range(4):
+        while (count := gate.num_drafts(4, draft_threshold(1))) > 0:  # fail every try until it stops
+            gate.record(count, 0)
+        steps = 1
+        while gate.num_drafts(4, draft_threshold(1)) == 0:
+            steps += 1
+        pauses.append(steps)
+    assert pauses == [RETRY_STEPS, 2 * RETRY_STEPS, 4 * RETRY_STEPS, 8 * RETRY_STEPS]
+    gate.record(2, 2)  # accepted: the pause is short again
+    assert gate.retry == RETRY_STEPS
 
 
 # -- rejection sampling ---------------------------------------------------------------------------

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from service.cli import engine_args, parse_args
 from tests.engine.spec_helpers import SPEC, quoting_prompt, write_cycling_checkpoint
-from tests.service.server_process import ServerProcess, kvsentry_command
+from tests.service.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +68,11 @@ def test_completions_equal_plain_decoding_and_metrics_count_acceptances(path, sp
     assert sum(spec_server.metric("kvsentry_kv_cache_checksum_mismatches_total")) == 0
 
 
-def test_a_method_other_than_ngram_is_refused(path):
-    done = subprocess.run([*kvsentry_command(), "serve", path, "--speculative-config",
-                           '{"method": "eagle", "model": "some/drafter", "num_speculative_tokens": 3}'],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "method 'eagle' is not supported" in done.stderr
+def test_a_method_other_than_ngram_is_refused(path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", path, "--speculative-config",
+                    '{"method": "eagle", "model": "some/drafter", "num_speculative_tokens": 3}'])
+    assert exit_info.value.code == 2
+    assert "method 'eagle' is not supported" in capsys.readouterr().err
+    args = parse_args(["serve", path, "--speculative-config", json.dumps(SPEC)])
+    assert EngineConfig.create(path, **engine_args(args)).speculative_config.num_speculative_tokens == 4
