@@ -12,9 +12,17 @@ at most max_structured_outputs_spec_bytes of JSON, cheap enough for the front en
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
-from engine.config import EngineConfig
 from engine.structured.spec import StructuredOutputs
+
+
+class SpecLimits(Protocol):
+    """The bounds, as EngineConfig carries them (structured/ sits below config/: no import of it)."""
+    max_structured_outputs_spec_bytes: int
+    max_structured_outputs_choices: int
+    max_structured_outputs_depth: int
+
 
 SPEC_TOO_LARGE = "structured_outputs_too_large"  # the OpenAI-style error code of every refusal here
 
@@ -30,7 +38,7 @@ class SpecTooLarge(ValueError):
 _JSON_KINDS = ("json", "structural_tag")
 
 
-def check_spec_limits(config: EngineConfig, spec: StructuredOutputs, field: str | None = None) -> None:
+def check_spec_limits(config: SpecLimits, spec: StructuredOutputs, field: str | None = None) -> None:
     """Refuse `spec` (SpecTooLarge naming `field`, default structured_outputs.<kind>) when it is
     over one of the config's bounds."""
     field = field or f"structured_outputs.{spec.kind}"
@@ -51,19 +59,19 @@ def check_spec_limits(config: EngineConfig, spec: StructuredOutputs, field: str 
         _check_json(config, field, document)
 
 
-def _check_entries(config: EngineConfig, field: str, count: int, what: str) -> None:
+def _check_entries(config: SpecLimits, field: str, count: int, what: str) -> None:
     limit = config.max_structured_outputs_choices
     if count > limit:
         raise SpecTooLarge(field, f"{count} {what} is over this server's limit of {limit} "
                                     "(--max-structured-outputs-choices)")
 
 
-def _too_deep(config: EngineConfig) -> str:
+def _too_deep(config: SpecLimits) -> str:
     return (f"nested deeper than this server's limit of {config.max_structured_outputs_depth} levels "
             "(--max-structured-outputs-depth)")
 
 
-def _check_json(config: EngineConfig, field: str, document) -> None:
+def _check_json(config: SpecLimits, field: str, document) -> None:
     """One iterative pass (no recursion: the depth is what is being bounded) over every value."""
     max_depth = config.max_structured_outputs_depth
     stack = [(document, 0)]
