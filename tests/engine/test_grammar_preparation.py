@@ -193,3 +193,27 @@ def test_abort_while_waiting_frees_everything(ckpt):
     assert not core.has_unfinished and core.preparing.num_waiting == 0
     assert core.scheduler.kv.pool.num_free_blocks == 63
     release.set()
+
+
+def test_a_rank_waiting_for_a_grammar_is_making_progress(ckpt):
+    """The stall detector (/health: no step for --health-stall-timeout with requests in flight)
+    reads a report with requests preparing as progress; a report without steps or preparing
+    does not move it."""
+    import msgspec
+
+    from engine.dp.client import ClientState
+    from engine.messages import EngineOutputs, StepStats
+
+    state = ClientState(EngineConfig.create(ckpt, num_gpu_blocks=8))
+
+    def report(steps: int, preparing: int) -> float:
+        before = state.last_progress = 0.0
+        stats = StepStats(rank=0, steps=steps, dummy_batches=0, padded_tokens=0, num_running=0, num_waiting=preparing,
+                          kv_usage=0.0, prefix_queries=0, prefix_hits=0, preemptions=0, num_preparing=preparing)
+        state.handle(msgspec.msgpack.encode(EngineOutputs(rank=0, outputs=[], stats=stats)))
+        return state.last_progress - before
+
+    report(5, 0)
+    assert report(5, 0) == 0.0  # no step since the last report
+    assert report(5, 1) > 0.0   # no step, but a grammar compiling
+    assert report(6, 0) > 0.0   # a step
