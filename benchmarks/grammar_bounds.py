@@ -42,7 +42,7 @@ def edge_specs(config) -> dict:
     while width < size - 200:
         name = f"property_{len(properties)}"
         properties[name] = {"type": "integer"}
-        width += len(json.dumps({name: properties[name]}))
+        width += len(json.dumps({name: properties[name]})) + len(name) + 4  # and its place in "required"
     return {
         f"enum of {entries} strings": json_spec({"type": "string", "enum": [f"v{i}" for i in range(entries)]}),
         f"choice of {entries} strings": StructuredOutputs.choice([f"c{i}" for i in range(entries)]),
