@@ -99,7 +99,8 @@ def test_pool_deadline_sharing_and_cancel():
         return f"compiled {spec.spec}"
 
     pool = GrammarPool(compile_slowly, workers=1, timeout=0.05)
-    a1, a2 = pool.submit(StructuredOutputs(kind="regex", spec="a")), pool.submit(StructuredOutputs(kind="regex", spec="a"))
+    spec_a = StructuredOutputs(kind="regex", spec="a")
+    a1, a2 = pool.submit(spec_a), pool.submit(StructuredOutputs(kind="regex", spec="a"))
     queued = pool.submit(StructuredOutputs(kind="regex", spec="b"))  # behind "a" on the one worker
     assert a1.future is a2.future  # one compile for the same spec
     assert a1.result(time.monotonic()) is None  # compiling, within the deadline
@@ -153,7 +154,8 @@ def test_others_step_while_a_grammar_compiles_then_it_runs(ckpt):
 def test_compile_timeout_is_a_typed_refusal(ckpt):
     core = make_core(ckpt, structured_outputs_compile_timeout=0.05)
     release = gate_compiles(core)
-    core.add_request(EngineRequest("slow", PROMPT, SamplingParams(n=2, structured_outputs=json_spec({"type": "integer"}))))
+    integer = json_spec({"type": "integer"})
+    core.add_request(EngineRequest("slow", PROMPT, SamplingParams(n=2, structured_outputs=integer)))
     outputs = run_until(core, lambda o: len(o.get("slow", [])) == 2)
     release.set()
     assert {o.index for o in outputs["slow"]} == {0, 1}
@@ -174,7 +176,8 @@ def test_a_spec_that_cannot_compile_is_refused_off_the_loop(ckpt):
 
 def test_over_a_bound_is_refused_when_added(ckpt):
     core = make_core(ckpt, max_structured_outputs_choices=3)
-    request = EngineRequest("big", PROMPT, SamplingParams(n=3, structured_outputs=StructuredOutputs.choice(list("abcd"))))
+    choices = StructuredOutputs.choice(list("abcd"))
+    request = EngineRequest("big", PROMPT, SamplingParams(n=3, structured_outputs=choices))
     with pytest.raises(ValueError) as info:  # the rank answers it with core.refused()
         core.add_request(request)
     outs = core.refused(request, info.value)
@@ -185,7 +188,8 @@ def test_over_a_bound_is_refused_when_added(ckpt):
 def test_abort_while_waiting_frees_everything(ckpt):
     core = make_core(ckpt)
     release = gate_compiles(core)
-    core.add_request(EngineRequest("gone", PROMPT, SamplingParams(n=2, structured_outputs=json_spec({"type": "integer"}))))
+    integer = json_spec({"type": "integer"})
+    core.add_request(EngineRequest("gone", PROMPT, SamplingParams(n=2, structured_outputs=integer)))
     core.step()
     core.abort(["gone"])
     outputs = run_until(core, lambda o: len(o.get("gone", [])) == 2)
@@ -193,3 +197,27 @@ def test_abort_while_waiting_frees_everything(ckpt):
     assert not core.has_unfinished and core.preparing.num_waiting == 0
     assert core.scheduler.kv.pool.num_free_blocks == 63
     release.set()
+
+
+def test_a_rank_waiting_for_a_grammar_is_making_progress(ckpt):
+    """The stall detector (/health: no step for --health-stall-timeout with requests in flight)
+    reads a report with requests preparing as progress; a report without steps or preparing
+    does not move it."""
+    import msgspec
+
+    from engine.dp.client import ClientState
+    from engine.messages import EngineOutputs, StepStats
+
+    state = ClientState(EngineConfig.create(ckpt, num_gpu_blocks=8))
+
+    def report(steps: int, preparing: int) -> float:
+        before = state.last_progress = 0.0
+        stats = StepStats(rank=0, steps=steps, dummy_batches=0, padded_tokens=0, num_running=0, num_waiting=preparing,
+                          kv_usage=0.0, prefix_queries=0, prefix_hits=0, preemptions=0, num_preparing=preparing)
+        state.handle(msgspec.msgpack.encode(EngineOutputs(rank=0, outputs=[], stats=stats)))
+        return state.last_progress - before
+
+    report(5, 0)
+    assert report(5, 0) == 0.0  # no step since the last report
+    assert report(5, 1) > 0.0   # no step, but a grammar compiling
+    assert report(6, 0) > 0.0   # a step
