@@ -78,8 +78,9 @@ class Load:
                     tokens += 1 if chunk.choices[0].text else 0
                     finish = chunk.choices[0].finish_reason or finish
             return ("ok" if finish == "length" else f"finish_{finish}"), tokens
-        except openai.APIStatusError as exc:
-            return f"http_{exc.status_code}", 0
+        except openai.APIStatusError as exc:  # rank_died: had output when its rank died; else e.g. re-forming
+            code = exc.body.get("code") if isinstance(exc.body, dict) else None
+            return f"http_{exc.status_code}_{code}", 0
         except openai.APIError:
             return "stream_error", 0
 
@@ -114,6 +115,7 @@ def main() -> int:
     parser.add_argument("--output", help="result JSON path (default: benchmarks/results/rank-recovery_...)")
     args = parser.parse_args()
 
+    load_start = round(os.getloadavg()[0], 2)  # other work on the machine slows the respawn's imports
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     kvsentry = Path(sys.executable).with_name("kvsentry")
@@ -138,9 +140,8 @@ def main() -> int:
             time.sleep(args.interval)
             rank = (1 + k) % size
             restarts = metric(url, "kvsentry_rank_restarts_total")
-            killed_at = time.monotonic()
             httpx.post(f"{url}/debug/faults", json={"rank": rank, "kind": "kill_rank"}, timeout=10).raise_for_status()
-            kills.append({"rank": rank, "at": killed_at, "to_full_capacity_s": round(recover(url, size, restarts, 300), 3)})
+            kills.append({"rank": rank, "to_full_capacity_s": round(recover(url, size, restarts, 300), 3)})
         time.sleep(args.interval)
         load.stop.set()
         for thread in load.threads:
@@ -163,14 +164,16 @@ def main() -> int:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     # Allowed: served, failed by a rank's death (error in the stream, or a 503 for a non-streamed
     # one that had output, or for a new one while the group re-forms).
-    unexpected = {o: n for o, n in outcomes.items() if o not in ("ok", "stream_error", "finish_error", "http_503")}
+    unexpected = {o: n for o, n in outcomes.items()
+                  if o not in ("ok", "stream_error", "finish_error") and not o.startswith("http_503")}
     recoveries = [k["to_full_capacity_s"] for k in kills]
     passed = (hung == 0 and len(recoveries) == args.kills and not unexpected and outcomes.get("ok", 0) > 0
-              and outcomes.get("stream_error", 0) + outcomes.get("finish_error", 0) <= failed_metric)
-    for kill in kills:
-        kill.pop("at")
+              and outcomes.get("stream_error", 0) + outcomes.get("finish_error", 0)
+              + outcomes.get("http_503_rank_died", 0) == failed_metric)
     payload = {
-        "benchmark": "rank_recovery", "model": "demo moe (tiny DeepSeek-V3-style MoE + MLA), DP=2 expert parallel, lockstep",
+        "benchmark": "rank_recovery",
+        "model": "demo moe (tiny DeepSeek-V3-style MoE + MLA), DP=2 expert parallel, lockstep",
+        "load_average_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
         "clients": args.clients, "max_tokens": args.max_tokens, "threads_per_rank": args.threads,
         "server_startup_s": round(startup, 3), "kills": kills,
         "median_kill_to_full_capacity_s": round(statistics.median(recoveries), 3),
@@ -178,7 +181,7 @@ def main() -> int:
                      "failed_by_rank_death": int(failed_metric), "hung": hung},
         "verdict": {"passed": passed, "rule": "every kill back to full capacity, no request hung, requests "
                     "served, none ended any other way than served, failed by a rank's death or 503 while re-forming, "
-                    "every failed stream counted by kvsentry_requests_failed_by_rank_death_total"},
+                    "every failed request counted by kvsentry_requests_failed_by_rank_death_total"},
     }
     print(f"startup {startup:.1f} s; kill -> full capacity {recoveries} s; requests {outcomes}, "
           f"re-queued {int(requeued)}, failed by rank death {int(failed_metric)}, hung {hung}")

@@ -22,9 +22,15 @@ MAX_TOKENS = 200
 
 def start(path: str, log_dir, *flags: str) -> ServerProcess:
     # Two running per rank: most of the 24 wait, so a death finds some unstarted (re-queued).
-    return ServerProcess(path, "--served-model-name", "m", "--max-model-len", "256", "--threads", "1", "--max-num-seqs", "2",
-                         "--enable-fault-injection", "--health-stall-timeout", "8", *flags,
-                         log_dir=log_dir, api_key=None).wait_ready(timeout=180)
+    server = ServerProcess(path, "--served-model-name", "m", "--max-model-len", "256", "--threads", "1",
+                           "--max-num-seqs", "2",
+                           "--enable-fault-injection", "--health-stall-timeout", "8", *flags,
+                           log_dir=log_dir, api_key=None)
+    try:
+        return server.wait_ready(timeout=180)
+    except BaseException:  # a server that never got ready is stopped here: no test owns it yet
+        server.stop()
+        raise
 
 
 def greedy(client: openai.OpenAI, prompt: str, stream: bool) -> tuple[str, list[str]]:
