@@ -95,6 +95,23 @@ def tree_rss(root: int) -> dict:
             "children_hwm_mib": round(sum(r.get("VmHWM", 0) for r in rest) / 1024, 1)}
 
 
+def free_port_run(count: int = 3) -> int:
+    """The first of `count` consecutive free ports: kvsentry's --data-parallel-rpc-port (its default
+    29550 may be taken by another server on a shared machine)."""
+    import socket
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(30000, 60000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
 def served_name(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -206,7 +223,7 @@ def main() -> int:
     gguf = model_file(args.model)
     print(f"serving {gguf}; {version()}; load {os.getloadavg()}", flush=True)
     kv_args = argparse.Namespace(kvsentry_threads=args.threads, max_model_len=args.max_model_len, dtype=args.dtype,
-                                 kvsentry_args=args.kvsentry_args)
+                                 kvsentry_args=f"{args.kvsentry_args} --data-parallel-rpc-port {free_port_run()}")
     rows, memory, agree = [], {}, None
     with KvsentryServer(gguf, kv_args) as kv:
         for index, concurrency in enumerate(args.concurrency):
