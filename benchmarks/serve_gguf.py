@@ -158,7 +158,10 @@ async def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: 
             while not queue.empty():
                 prompt = queue.get_nowait()
                 try:
-                    results.append(await one_request(client, url, prompt, max_tokens, llama))
+                    try:
+                        results.append(await one_request(client, url, prompt, max_tokens, llama))
+                    except httpx.RemoteProtocolError:  # llama-server closed a kept-alive connection: once more
+                        results.append(await one_request(client, url, prompt, max_tokens, llama))
                 except Exception as exc:  # a benchmark reports, it does not crash
                     errors += 1
                     print(f"  request failed: {exc}", file=sys.stderr)
