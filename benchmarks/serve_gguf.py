@@ -212,6 +212,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto", help="kvsentry's --dtype")
     p.add_argument("--kvsentry-args", default="", help="extra `kvsentry serve` flags (e.g. the int8 path's)")
     p.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. --no-repack: see docs)")
+    p.add_argument("--llama-no-amx", action="store_true",
+                   help="llama-server with its ggml-cpu built without AMX (its AMX matmul crashes on some Xeons)")
     p.add_argument("--label", default="", help="names kvsentry's path in the result (e.g. int8)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--input-words", type=int, default=75)
@@ -239,7 +241,7 @@ def main() -> int:
                     asyncio.run(run_level(kv.url, warmup, concurrency, WARMUP_TOKENS, False))
                     row = asyncio.run(run_level(kv.url, prompts, concurrency, args.output_len, False, kv.pid))
                 else:
-                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args) as llama:
+                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
                         asyncio.run(run_level(llama.url, warmup, concurrency, WARMUP_TOKENS, True))
                         row = asyncio.run(run_level(llama.url, prompts, concurrency, args.output_len, True, llama.pid))
                         memory[f"llama.cpp -np {concurrency}"] = tree_rss(llama.pid)
@@ -250,7 +252,7 @@ def main() -> int:
         if not args.no_agreement:
             prompts = text_prompts(AGREEMENT_PROMPTS, args.input_words, args.seed + 424242)
             ours = greedy_ids(kv.url, prompts, False)
-            with LlamaCppServer(gguf, args.threads, 1, args.max_model_len, args.llama_args) as llama:
+            with LlamaCppServer(gguf, args.threads, 1, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
                 agree = agreement(ours, greedy_ids(llama.url, prompts, True))
             print("agreement", json.dumps(agree), flush=True)
     ratios = []
