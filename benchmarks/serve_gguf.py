@@ -95,6 +95,23 @@ def tree_rss(root: int) -> dict:
             "children_hwm_mib": round(sum(r.get("VmHWM", 0) for r in rest) / 1024, 1)}
 
 
+def free_port_run(count: int = 3) -> int:
+    """The first of `count` consecutive free ports: kvsentry's --data-parallel-rpc-port (its default
+    29550 may be taken by another server on a shared machine)."""
+    import socket
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(30000, 60000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
 def served_name(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -141,7 +158,10 @@ async def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: 
             while not queue.empty():
                 prompt = queue.get_nowait()
                 try:
-                    results.append(await one_request(client, url, prompt, max_tokens, llama))
+                    try:
+                        results.append(await one_request(client, url, prompt, max_tokens, llama))
+                    except httpx.RemoteProtocolError:  # llama-server closed a kept-alive connection: once more
+                        results.append(await one_request(client, url, prompt, max_tokens, llama))
                 except Exception as exc:  # a benchmark reports, it does not crash
                     errors += 1
                     print(f"  request failed: {exc}", file=sys.stderr)
@@ -192,6 +212,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto", help="kvsentry's --dtype")
     p.add_argument("--kvsentry-args", default="", help="extra `kvsentry serve` flags (e.g. the int8 path's)")
     p.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. --no-repack: see docs)")
+    p.add_argument("--llama-no-amx", action="store_true",
+                   help="llama-server with its ggml-cpu built without AMX (its AMX matmul crashes on some Xeons)")
     p.add_argument("--label", default="", help="names kvsentry's path in the result (e.g. int8)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--input-words", type=int, default=75)
@@ -206,7 +228,7 @@ def main() -> int:
     gguf = model_file(args.model)
     print(f"serving {gguf}; {version()}; load {os.getloadavg()}", flush=True)
     kv_args = argparse.Namespace(kvsentry_threads=args.threads, max_model_len=args.max_model_len, dtype=args.dtype,
-                                 kvsentry_args=args.kvsentry_args)
+                                 kvsentry_args=f"{args.kvsentry_args} --data-parallel-rpc-port {free_port_run()}")
     rows, memory, agree = [], {}, None
     with KvsentryServer(gguf, kv_args) as kv:
         for index, concurrency in enumerate(args.concurrency):
@@ -219,7 +241,7 @@ def main() -> int:
                     asyncio.run(run_level(kv.url, warmup, concurrency, WARMUP_TOKENS, False))
                     row = asyncio.run(run_level(kv.url, prompts, concurrency, args.output_len, False, kv.pid))
                 else:
-                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args) as llama:
+                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
                         asyncio.run(run_level(llama.url, warmup, concurrency, WARMUP_TOKENS, True))
                         row = asyncio.run(run_level(llama.url, prompts, concurrency, args.output_len, True, llama.pid))
                         memory[f"llama.cpp -np {concurrency}"] = tree_rss(llama.pid)
@@ -230,7 +252,7 @@ def main() -> int:
         if not args.no_agreement:
             prompts = text_prompts(AGREEMENT_PROMPTS, args.input_words, args.seed + 424242)
             ours = greedy_ids(kv.url, prompts, False)
-            with LlamaCppServer(gguf, args.threads, 1, args.max_model_len, args.llama_args) as llama:
+            with LlamaCppServer(gguf, args.threads, 1, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
                 agree = agreement(ours, greedy_ids(llama.url, prompts, True))
             print("agreement", json.dumps(agree), flush=True)
     ratios = []
