@@ -26,6 +26,10 @@ SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 NAN_SENTINEL_MODES = ("off", "null-block", "rolling", "full")  # what the KV cache scan covers
 NAN_POLICIES = ("count", "heal", "fail")  # what a NaN (or a checksum mismatch) found in the cache triggers
 KV_CHECKSUM_MODES = ("off", "rolling", "full")  # which sealed blocks are re-verified each step
+# How a GGUF checkpoint's quantized linears multiply on CPU (engine/models/int8_linear.py): "int8"
+# quantizes the activations per block of 32 and multiplies with the weights' own blocks, "none"
+# keeps the exact dequantized weights, "auto" is "int8" where the CPU has AVX512-VNNI.
+QUANTIZED_ACTIVATIONS = ("auto", "int8", "none")
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -229,6 +233,7 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     enforce_eager: bool = False  # no CUDA graphs, no fused CPU layer stack: every op runs from Python
     cuda_graph_check_null_block: bool = False  # debug: verify block 0 is zero after every dummy replay
+    quantized_activations: str = "auto"  # one of QUANTIZED_ACTIVATIONS
 
     @property
     def lockstep(self) -> bool:
@@ -283,6 +288,8 @@ class EngineConfig:
             raise ValueError(f"nan_policy: must be one of {', '.join(NAN_POLICIES)}")
         if kwargs.get("kv_checksums", cls.kv_checksums) not in KV_CHECKSUM_MODES:
             raise ValueError(f"kv_checksums: must be one of {', '.join(KV_CHECKSUM_MODES)}")
+        if kwargs.get("quantized_activations", cls.quantized_activations) not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations: must be one of {', '.join(QUANTIZED_ACTIVATIONS)}")
         if kwargs.get("kv_checksum_blocks_per_step", cls.kv_checksum_blocks_per_step) < 1:
             raise ValueError("kv_checksum_blocks_per_step: must be >= 1")
         if num_gpu_blocks is None:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
+from engine.config import (DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES,
+                           QUANTIZED_ACTIVATIONS, EngineConfig)
 
 
 def config_default(name: str) -> Any:
@@ -122,4 +123,8 @@ ENGINE_ARGS = (
     EngineArg("cuda_graph_check_null_block", "debug: after every dummy batch replayed through a CUDA graph, "
               "verify the null block is bitwise zero on every layer (one host sync) and stop if not",
               group="CUDA graphs"),
+    EngineArg("quantized_activations", "GGUF checkpoints on CPU: int8 quantizes each linear's activations per "
+              "block of 32 and multiplies them with the weights' own Q4_0/Q4_1/Q8_0 blocks (llama.cpp's "
+              "arithmetic, VNNI); none keeps the exact dequantized weights (token-identical to transformers "
+              "in float32); auto is int8 on CPUs with AVX512-VNNI", choices=QUANTIZED_ACTIVATIONS),
 )
