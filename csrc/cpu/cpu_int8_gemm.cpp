@@ -140,39 +140,51 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
   constexpr int64_t kBytes = kType == kQ4_1 ? 320 : kType == kQ4_0 ? 288 : 544;
   constexpr int64_t kScales = kType == kQ4_1 ? 64 : 32;
   __m512 acc[G][R];
+  #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i isum[G][R];
+    #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) isum[g][r] = _mm512_setzero_si512();
     }
     if (kType == kQ8_0) {
+      #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         __m512i wv[G];
+        #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(w + g * stride + b * kBytes + kScales + 64 * c);
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           int32_t x4;
           std::memcpy(&x4, rows[r].q + 32 * b + 4 * c, 4);
           const __m512i xv = _mm512_set1_epi32(x4);
+          #pragma GCC unroll 8
           for (int g = 0; g < G; ++g) isum[g][r] = _mm512_dpbusd_epi32(isum[g][r], wv[g], xv);
         }
       }
     } else {
+      #pragma GCC unroll 8
       for (int c = 0; c < 4; ++c) {
         __m512i lo[G], hi[G];
+        #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) {
           const __m512i v = _mm512_loadu_si512(w + g * stride + b * kBytes + kScales + 64 * c);
           lo[g] = _mm512_and_si512(v, low);
           hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           int32_t xl, xh;
           std::memcpy(&xl, rows[r].q + 32 * b + 4 * c, 4);
           std::memcpy(&xh, rows[r].q + 32 * b + 16 + 4 * c, 4);
           const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+          #pragma GCC unroll 8
           for (int g = 0; g < G; ++g) {
             isum[g][r] = _mm512_dpbusd_epi32(isum[g][r], lo[g], vl);
             isum[g][r] = _mm512_dpbusd_epi32(isum[g][r], hi[g], vh);
@@ -180,11 +192,13 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
         }
       }
     }
+    #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const uint8_t* block = w + g * stride + b * kBytes;
       const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
       __m512 mw = _mm512_setzero_ps();
       if (kType == kQ4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512i dot = isum[g][r];
         // Unsigned weights back to their signed values: Q4_0 nibble - 8, Q8_0 byte - 128 (exact).
@@ -197,10 +211,12 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
       }
     }
   }
+  #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     const int lanes = std::min(valid - 16 * g, 16);
     if (lanes <= 0) break;
     const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512 y = acc[g][r];
       if (bias != nullptr) y = _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(mask, bias + 16 * g), kRound);
