@@ -67,6 +67,23 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
 
 
+def test_the_fused_layer_stack_serves_the_loops_bits(q4_0_file):
+    """The layers as one csrc op call the int8 kernel as the Python loop does: the same bits."""
+    if not int8_linear.kernel_runs():
+        pytest.skip("no AVX512-VNNI here: the reference runs in the loop")
+    fused = _llm(q4_0_file)
+    assert fused.engine.runner.model.model.fused is not None
+    got = fused.generate(PROMPTS, PARAMS)
+    fused.close()
+    loop = _llm(q4_0_file, enforce_eager=True)
+    assert loop.engine.runner.model.model.fused is None
+    want = loop.generate(PROMPTS, PARAMS)
+    loop.close()
+    for ref, out in zip(want, got):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
 def test_none_keeps_the_exact_weights(q4_0_file):
     llm = _llm(q4_0_file, quantized_activations="none")
     assert all(p.int8 is None for p in _packed(llm))
