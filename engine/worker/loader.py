@@ -18,6 +18,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.weights import QuantRows, gguf_weights
+from engine.models.block_embedding import BlockEmbedding
 from engine.models.int8_linear import int8_activations
 from engine.models.layers import Linear
 from engine.models.registry import build_model
@@ -75,10 +76,21 @@ def load_model(config: EngineConfig) -> nn.Module:
     model = model.to(config.model.dtype).eval()
     attach_quant_rows(model, {name: dataclasses.replace(rows, int8_activations=int8) for name, rows in quantized.items()})
     model.prepare_for_inference()
+    if int8:
+        keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"), config.model.dtype)
     logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),
                 str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
                 config.parallel.data_parallel_rank)
     return model
+
+
+def keep_embedding_blocks(model: nn.Module, rows: QuantRows | None, dtype: torch.dtype) -> None:
+    """On the int8 path, the token embedding as its GGUF blocks (engine/models/block_embedding.py)
+    in place of its dense table: once packed, the LM head no longer shares that table."""
+    decoder = getattr(model, "model", None)
+    embedding = getattr(decoder, "embed_tokens", None)
+    if decoder is not None and BlockEmbedding.takes(rows, embedding):
+        decoder.embed_tokens = BlockEmbedding(rows, dtype)
 
 
 def attach_quant_rows(model: nn.Module, quantized: dict[str, QuantRows]) -> None:

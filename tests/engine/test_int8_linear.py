@@ -6,6 +6,7 @@ serves the very tokens and log-probs of the torch reference; the report names th
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -82,6 +83,29 @@ def test_the_fused_layer_stack_serves_the_loops_bits(q4_0_file):
     for ref, out in zip(want, got):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def test_weights_stay_in_their_blocks(q4_0_file):
+    """The linears and the embedding hold the file's blocks (the embedding gathers the very values
+    of the dequantized table): the rank's weight bytes are at most 1.15x the file's tensor bytes."""
+    from engine.gguf.reader import read_gguf
+    from engine.models.block_embedding import BlockEmbedding
+    llm = _llm(q4_0_file, quantized_activations="int8")
+    model = llm.engine.runner.model
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and embedding.ggml_type == Q.Q8_0
+    ids = torch.tensor([[0, 5, 17], [embedding.num_embeddings - 1, 3, 3]])
+    exact = _llm(q4_0_file, quantized_activations="none")
+    assert torch.equal(embedding(ids), exact.engine.runner.model.model.embed_tokens(ids))
+    exact.close()
+    held = sum(p.int8.nbytes for p in _packed(llm)) + embedding.nbytes
+    held += sum(t.numel() * t.element_size() for t in model.parameters())  # norms; released weights are empty
+    gguf_file = read_gguf(q4_0_file[0])
+    sizes = {int(t): gguf.GGML_QUANT_SIZES[t] for t in Q}
+    file_bytes = sum(int(np.prod(info.shape)) // sizes[info.ggml_type][0] * sizes[info.ggml_type][1]
+                     for info in gguf_file.tensors.values())
+    llm.close()
+    assert held <= 1.15 * file_bytes, (held, file_bytes)
 
 
 def test_none_keeps_the_exact_weights(q4_0_file):
