@@ -86,11 +86,18 @@ def load_model(config: EngineConfig) -> nn.Module:
 
 def keep_embedding_blocks(model: nn.Module, rows: QuantRows | None, dtype: torch.dtype) -> None:
     """On the int8 path, the token embedding as its GGUF blocks (engine/models/block_embedding.py)
-    in place of its dense table: once packed, the LM head no longer shares that table."""
+    in place of its dense table (once packed, the LM head no longer shares that table): a tied LM
+    head's packed blocks where it has them, else the rows as the file stores them."""
     decoder = getattr(model, "model", None)
     embedding = getattr(decoder, "embed_tokens", None)
-    if decoder is not None and BlockEmbedding.takes(rows, embedding):
-        decoder.embed_tokens = BlockEmbedding(rows, dtype)
+    if decoder is None or not BlockEmbedding.takes(rows, embedding):
+        return
+    # A tied LM head on the kernel holds these blocks packed: they serve the lookups too.
+    head = getattr(getattr(model, "lm_head", None), "packed", None)
+    int8 = getattr(head, "int8", None)
+    tied = (model.config.model.tie_word_embeddings and int8 is not None and int8.kernel
+            and int8.ggml_type == rows.ggml_type and int8.out_features == rows.data.shape[0])
+    decoder.embed_tokens = BlockEmbedding(rows, dtype, int8.blocks if tied else None)
 
 
 def attach_quant_rows(model: nn.Module, quantized: dict[str, QuantRows]) -> None:

@@ -100,3 +100,18 @@ def test_bad_arguments_are_refused(kvsentry_ops):
         kvsentry_ops.int8_gemm(torch.randn(2, 96), packed, None, 8)
     with pytest.raises(RuntimeError, match="does not fit"):
         kvsentry_ops.int8_gemm(torch.randn(2, 64), packed, None, 17)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packed_rows_read_back_as_their_gguf_rows(kvsentry_ops, qtype):
+    """A tied embedding gathers from the LM head's packed blocks (engine/models/block_embedding.py):
+    every row, partial last group included, reads back as the file's row."""
+    from engine.models.block_embedding import packed_blocks
+    from engine.models.int8_reference import weight_blocks
+    n, k = 37, 96
+    raw = blocks(qtype, n, k, seed=9)
+    packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
+    ids = torch.tensor([0, 15, 16, 36, 5, 5])
+    got, want = packed_blocks(packed, ids, int(qtype)), weight_blocks(raw[ids], int(qtype), k)
+    for g, w in zip(got, want):
+        assert (g is None and w is None) or torch.equal(g, w)
