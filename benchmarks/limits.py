@@ -7,6 +7,8 @@ Measures, on one thread:
     bound of a weight-streaming step;
   - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) packed as the engine runs
     them (cpu_gemm.PackedLinear), at 256 and 1024 rows, in GFLOP/s;
+  - int8 multiply-add rate: the int8-activation GEMM (vpdpbusd) on the same shapes as Q8_0
+    blocks at 256 rows, in GMAC/s (where AVX512-VNNI is there);
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
     weights read per second at batch 1 -- the bytes its linears hold as the step reads them: the
     GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu/cpu_quant_panels.h), else the
@@ -42,6 +44,28 @@ def gemm_peak(model, rows: int, dtype: torch.dtype) -> float:  # FLOP/s over the
     inputs = [torch.randn(rows, s[1]).to(dtype) for s in shapes]
     flop = sum(2 * rows * o * i for o, i in shapes)
     return flop / best(lambda: [lin(x) for lin, x in zip(linears, inputs)])
+
+
+def int8_peak(model, rows: int) -> float | None:  # int8 multiply-adds/s over the model's layer shapes
+    """The int8-activation GEMM (csrc/cpu/cpu_int8_gemm.cpp, vpdpbusd) on the model's four layer
+    shapes as Q8_0 blocks at `rows` rows: the multiply-add rate the int8 path reaches when the
+    weights sit in cache and the batch is large; None where the kernel does not run."""
+    import gguf
+    import numpy as np
+    from engine.ops import registry
+    if not registry.available("int8_gemm", "cpu"):
+        return None
+    layer = model.model.layers[0]
+    linears = [layer.self_attn.qkv, layer.self_attn.o_proj.packed, layer.mlp.gate_up, layer.mlp.down_proj.packed]
+    shapes = [(w.out_features, w.in_features) for w in linears]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    packed = [registry.op("int8_gemm_pack")(torch.from_numpy(np.ascontiguousarray(gguf.quantize(
+        np.random.default_rng(i).standard_normal(s).astype(np.float32), q8))), int(q8), s[1])
+        for i, s in enumerate(shapes)]
+    inputs = [torch.randn(rows, s[1]) for s in shapes]
+    gemm = registry.op("int8_gemm")
+    macs = sum(rows * o * i for o, i in shapes)
+    return macs / best(lambda: [gemm(x, w, None, s[0]) for x, w, s in zip(inputs, packed, shapes)])
 
 
 def decode_seconds(llm, batch: int, vocab: int, low: int, seed: int) -> float:
@@ -87,6 +111,8 @@ def main() -> None:
     dense_bytes = params * dtype.itemsize
 
     def read_bytes(linear) -> int:  # what a one-row step streams of this linear
+        if getattr(linear, "int8", None) is not None:  # GGUF blocks with int8 activations
+            return linear.int8.nbytes
         if linear.uses_panels(1):
             return linear.panels.numel() * linear.panels.element_size()
         return linear.out_features * linear.in_features * dtype.itemsize
@@ -97,6 +123,7 @@ def main() -> None:
 
     bandwidth = memory_bandwidth()
     peaks = {rows: gemm_peak(model, rows, dtype) for rows in (256, 1024)}
+    int8_macs = int8_peak(model, 256)
     step1 = decode_seconds(llm, 1, vocab, low, seed=1)
     step64 = decode_seconds(llm, 64, vocab, low, seed=2)
 
@@ -108,6 +135,9 @@ def main() -> None:
     print(f"batch 1 decode: {step1 * 1e3:.1f} ms/step -> {weight_bytes / step1 / 1e9:.1f} GB/s of weights "
           f"= {weight_bytes / step1 / bandwidth:.0%} of the measured bandwidth "
           f"(floor {weight_bytes / bandwidth * 1e3:.1f} ms/step, {bandwidth / weight_bytes:.0f} tok/s)")
+    if int8_macs is not None:
+        print(f"int8 multiply-add rate (int8 GEMM, the model's layer shapes as Q8_0, 256 rows): "
+              f"{int8_macs / 1e9:.0f} GMAC/s = {2 * int8_macs / 1e9:.0f} GOP/s")
     best_peak = max(peaks.values())
     print(f"batch 64 decode: {step64 * 1e3:.1f} ms/step -> {64 * flop_per_token / step64 / 1e9:.0f} GFLOP/s "
           f"= {64 * flop_per_token / step64 / best_peak:.0%} of the GEMM peak ({64 / step64:.0f} tok/s)")
@@ -120,7 +150,10 @@ def main() -> None:
         "batch1_step_ms": round(step1 * 1e3, 2), "batch1_weights_gb_s": round(weight_bytes / step1 / 1e9, 2),
         "batch64_step_ms": round(step64 * 1e3, 2),
         "batch64_gflop_s": round(64 * flop_per_token / step64 / 1e9, 1),
-        "batch64_share_of_gemm_peak": round(64 * flop_per_token / step64 / best_peak, 3)}, args.json)
+        "batch64_share_of_gemm_peak": round(64 * flop_per_token / step64 / best_peak, 3),
+        "int8_gemm_gmac_s_256_rows": None if int8_macs is None else round(int8_macs / 1e9, 1),
+        "batch64_share_of_int8_rate": None if int8_macs is None else round(
+            64 * flop_per_token / 2 / step64 / int8_macs, 3)}, args.json)
 
 
 if __name__ == "__main__":

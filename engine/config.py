@@ -29,6 +29,10 @@ NAN_SENTINEL_MODES = ("off", "null-block", "rolling", "full")  # what the KV cac
 NAN_POLICIES = ("count", "heal", "fail")  # what a NaN (or a checksum mismatch) found in the cache triggers
 KV_CHECKSUM_MODES = ("off", "rolling", "full")  # which sealed blocks are re-verified each step
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order requests are admitted and preempted in
+# How a GGUF checkpoint's quantized linears multiply on CPU (engine/models/int8_linear.py): "int8"
+# quantizes the activations per block of 32 and multiplies with the weights' own blocks, "none"
+# keeps the exact dequantized weights, "auto" is "int8" where the CPU has AVX512-VNNI.
+QUANTIZED_ACTIVATIONS = ("auto", "int8", "none")
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -251,6 +255,7 @@ class EngineConfig:
     max_structured_outputs_choices: int = 4096  # entries of a choice list or of any one JSON schema enum
     max_structured_outputs_depth: int = 128  # JSON nesting of a schema (each object and array is a level)
     dtype_reason: str = ""  # why model.dtype: "asked for", or what --dtype auto saw (engine/placement.py)
+    quantized_activations: str = "auto"  # one of QUANTIZED_ACTIVATIONS
 
     @property
     def lockstep(self) -> bool:
@@ -306,6 +311,8 @@ class EngineConfig:
             raise ValueError(f"nan_policy: must be one of {', '.join(NAN_POLICIES)}")
         if kwargs.get("kv_checksums", cls.kv_checksums) not in KV_CHECKSUM_MODES:
             raise ValueError(f"kv_checksums: must be one of {', '.join(KV_CHECKSUM_MODES)}")
+        if kwargs.get("quantized_activations", cls.quantized_activations) not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations: must be one of {', '.join(QUANTIZED_ACTIVATIONS)}")
         if kwargs.get("kv_checksum_blocks_per_step", cls.kv_checksum_blocks_per_step) < 1:
             raise ValueError("kv_checksum_blocks_per_step: must be >= 1")
         if kwargs.get("scheduling_policy", cls.scheduling_policy) not in SCHEDULING_POLICIES:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.spec_decode.config import parse_speculative_config
-from engine.config import DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES, EngineConfig
+from engine.config import (DEFAULT_MAX_MODEL_LEN_CAP, KV_CHECKSUM_MODES, NAN_POLICIES, NAN_SENTINEL_MODES,
+                           QUANTIZED_ACTIVATIONS, EngineConfig)
 from engine.config import SCHEDULING_POLICIES
 
 
@@ -157,4 +158,8 @@ ENGINE_ARGS = (
               "schema; more is a 400", group="structured outputs"),
     EngineArg("max_structured_outputs_depth", "deepest nesting of objects and arrays in a JSON schema or "
               "structural tag; deeper is a 400", group="structured outputs"),
+    EngineArg("quantized_activations", "GGUF checkpoints on CPU: int8 quantizes each linear's activations per "
+              "block of 32 and multiplies them with the weights' own Q4_0/Q4_1/Q8_0 blocks (llama.cpp's "
+              "arithmetic, VNNI); none keeps the exact dequantized weights (token-identical to transformers "
+              "in float32); auto is int8 on CPUs with AVX512-VNNI", choices=QUANTIZED_ACTIVATIONS),
 )

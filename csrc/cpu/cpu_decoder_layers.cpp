@@ -11,7 +11,8 @@
 //     weights      6 per layer: input norm [N], q|k|v packed, o packed, post-attention norm [N],
 //                  gate|up packed, down packed (engine/models/cpu_gemm.py's PackedLinear): each
 //                  linear is oneDNN's packed weight or panels: bf16_gemm's (csrc/cpu/cpu_bf16_gemm.cpp)
-//                  or f32_gemm's (csrc/cpu/cpu_f32_gemm.cpp)
+//                  or f32_gemm's (csrc/cpu/cpu_f32_gemm.cpp), or GGUF blocks for int8_gemm
+//                  (csrc/cpu/cpu_int8_gemm.cpp)
 //     biases       4 per layer (None where the layer has none): q|k|v, o, gate|up, down
 //     out_features 4 per layer: the linears' output widths (panels are padded to 64)
 //     qk_norms     2 per layer (Qwen3's per-head q and k norms [D]) or none at all
@@ -66,6 +67,7 @@ struct LayerOps {
   using PanelSig = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t);
   c10::TypedOperatorHandle<PanelSig> panel_gemm;      // bf16 panels
   c10::TypedOperatorHandle<PanelSig> f32_panel_gemm;  // float32 panels
+  c10::TypedOperatorHandle<PanelSig> int8_gemm;       // GGUF blocks with int8 activations
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
       add_rms_norm;
@@ -91,6 +93,7 @@ struct LayerOps {
       : linear_boxed(find("mkldnn::_linear_pointwise")),
         panel_gemm(find("kvsentry::bf16_gemm").typed<PanelSig>()),
         f32_panel_gemm(find("kvsentry::f32_gemm").typed<PanelSig>()),
+        int8_gemm(find("kvsentry::int8_gemm").typed<PanelSig>()),
         rms_norm(find("kvsentry::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double)>()),
         add_rms_norm(find("kvsentry::add_rms_norm")
                          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>()),
@@ -119,6 +122,12 @@ struct LayerOps {
   // are uint8, and either GEMM takes them); else
   // mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
   Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
+    // cpu_int8_gemm.cpp's packed blocks: uint8 [groups, blocks, 288 | 320 | 544] (Q4_0, Q4_1, Q8_0),
+    // never a panel block's size (cpu_quant_panels.h: 1280, 2176).
+    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte && weight.dim() == 3 &&
+        (weight.size(2) == 288 || weight.size(2) == 320 || weight.size(2) == 544)) {
+      return int8_gemm.call(x, weight, bias, out_features);
+    }
     if (!weight.is_mkldnn()) {
       return (x.scalar_type() == at::kFloat ? f32_panel_gemm : panel_gemm).call(x, weight, bias, out_features);
     }

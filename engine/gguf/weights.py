@@ -67,6 +67,8 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 Wants = Callable[[str], bool]
 # GGML types (Q4_1, Q8_0) whose blocks the CPU GEMMs multiply by directly (csrc/cpu/cpu_quant_panels.h).
 PANEL_TYPES = frozenset({3, 8})
+# GGML types (Q4_0, Q4_1, Q8_0) the int8-activation GEMM multiplies by (engine/models/int8_reference.py).
+INT8_TYPES = frozenset({2, 3, 8})
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,14 @@ class QuantRows:
     ggml_type: int
     k: int
     data: torch.Tensor
+    # Multiply by these blocks with int8 activations (--quantized-activations), not the
+    # dequantized weight: set by the loader from the config.
+    int8_activations: bool = False
 
 
 def quant_rows(gguf: GGUFFile, info: TensorInfo) -> QuantRows | None:
-    """A 2-D tensor's blocks, copied out of the map, where its type is one of PANEL_TYPES."""
-    if len(info.shape) != 2 or info.ggml_type not in PANEL_TYPES:
+    """A 2-D tensor's blocks, copied out of the map, where its type is one of PANEL_TYPES or INT8_TYPES."""
+    if len(info.shape) != 2 or info.ggml_type not in PANEL_TYPES | INT8_TYPES:
         return None
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

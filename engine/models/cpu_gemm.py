@@ -69,7 +69,8 @@ import torch
 import logging
 
 from engine import envs
-from engine.gguf.weights import QuantRows
+from engine.gguf.weights import PANEL_TYPES, QuantRows
+from engine.models.int8_linear import Int8Blocks, takes as int8_takes
 from engine.ops import cpu_ops, registry
 from engine.ops.registry import ONEDNN
 from engine.memory.huge_pages import to_huge_pages
@@ -164,6 +165,8 @@ def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor |
     dequantize to exactly `weight` (checked here, once); else None."""
     if rows is None or envs.disable_quant_panels() or tuple(weight.shape) != (rows.data.shape[0], rows.k):
         return None
+    if rows.ggml_type not in PANEL_TYPES:
+        return None
     if not registry.has("quant_panels_pack") or not registry.op("quant_panels_supported")(weight.dtype):
         return None
     packed = registry.op("quant_panels_pack")(rows.data, rows.ggml_type, rows.k)
@@ -187,6 +190,14 @@ class PackedLinear:
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
+        # GGUF blocks multiplied with int8 activations (engine/models/int8_linear.py): the only
+        # copy of the weight, every size.
+        self.int8: Int8Blocks | None = None
+        if int8_takes(rows, self.out_features, self.in_features):
+            self.int8 = Int8Blocks(rows, self.bias)
+            self.panels = self.wide_panels = None
+            self.onednn, self.panel_max_rows, self.path = False, None, self.int8.path
+            return
         panels = panels_supported(weight)
         # The GGUF blocks as panels, unless no panels run here (switched off: panel_max_rows 0).
         quant = quant_panels(weight, rows) if panels and panel_max_rows(weight.dtype) != 0 else None
@@ -247,6 +258,8 @@ class PackedLinear:
         return self.panels if self.panels is not None else self.weight_t
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.int8 is not None:
+            return self.int8(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         panels = self.panels if self.uses_panels(x.numel() // self.in_features) else self.wide_panels
         if panels is not None:
             out = self._panel_gemm(x.reshape(-1, self.in_features), panels, self.bias, self.out_features)
@@ -267,7 +280,8 @@ def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
     quant = [getattr(layer, "gguf_rows", None) for layer in layers]
     rows = None
     if all(q is not None for q in quant) and len({(q.ggml_type, q.k) for q in quant}) == 1:
-        rows = QuantRows(quant[0].ggml_type, quant[0].k, torch.cat([q.data for q in quant]))
+        rows = QuantRows(quant[0].ggml_type, quant[0].k, torch.cat([q.data for q in quant]),
+                         all(q.int8_activations for q in quant))
     for layer in layers:
         layer.gguf_rows = None
     biases = [layer.bias for layer in layers]

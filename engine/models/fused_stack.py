@@ -31,6 +31,12 @@ def _linears(layer: nn.Module) -> tuple:
     return attn.qkv, attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed
 
 
+def _int8_kernel(linear) -> bool:
+    """Whether a packed linear runs csrc/cpu/cpu_int8_gemm.cpp on GGUF blocks (engine/models/int8_linear.py),
+    which the op calls too (not the torch reference: the loop runs that)."""
+    return linear.int8 is not None and linear.int8.kernel
+
+
 class FusedLayerStack:
     """The packed weights of every layer, flattened in the op's order; immutable once built."""
 
@@ -57,8 +63,9 @@ class FusedLayerStack:
         for layer in layers:
             attn, linears = layer.self_attn, _linears(layer)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            large = [linear.large_weight for linear in linears]
-            small = [linear.panels if linear.panels is not None else linear.weight for linear in linears]
+            large = [linear.int8.blocks if linear.int8 is not None else linear.large_weight for linear in linears]
+            small = [linear.int8.blocks if linear.int8 is not None else
+                     linear.panels if linear.panels is not None else linear.weight for linear in linears]
             self.weights += [norms[0], large[0], large[1], norms[1], large[2], large[3]]
             self.panel_weights += [norms[0], small[0], small[1], norms[1], small[2], small[3]]
             self.biases += [linear.bias for linear in linears]
@@ -80,7 +87,8 @@ class FusedLayerStack:
         eps, first = layers[0].input_layernorm.eps, layers[0].self_attn
         for layer in layers:
             attn = layer.self_attn
-            if any(linear is None or (linear.panels is None and not linear.onednn) for linear in _linears(layer)):
+            if any(linear is None or (linear.panels is None and not linear.onednn and not _int8_kernel(linear))
+                   for linear in _linears(layer)):
                 return None
             # The op takes one eps, scale and rotary table for every layer.
             same = (layer.input_layernorm.eps == layer.post_attention_layernorm.eps == eps

@@ -2,6 +2,7 @@
 or a GGUF file, dequantized into the serving dtype."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -17,6 +18,8 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.weights import QuantRows, gguf_weights
+from engine.models.block_embedding import BlockEmbedding
+from engine.models.int8_linear import int8_activations
 from engine.models.layers import Linear
 from engine.models.registry import build_model
 
@@ -54,10 +57,12 @@ def load_model(config: EngineConfig) -> nn.Module:
     with torch.device(config.device):
         model = build_model(config)
     quantized: dict[str, QuantRows] = {}
+    # The GGUF linears multiply with int8 activations (engine/models/int8_linear.py).
+    int8 = is_gguf_path(path) and int8_activations(config.quantized_activations, config.device)
     if is_gguf_path(path):
         # One bar per machine is enough: DP rank 0 draws it, on a terminal only.
         progress = sys.stderr.isatty() and config.parallel.data_parallel_rank == 0
-        keep = quantized if config.device == "cpu" and not envs.disable_quant_panels() else None
+        keep = quantized if config.device == "cpu" and (int8 or not envs.disable_quant_panels()) else None
         weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress, keep)
     else:
         weights = safetensors_weights(path, model)
@@ -69,12 +74,30 @@ def load_model(config: EngineConfig) -> nn.Module:
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
     model = model.to(config.model.dtype).eval()
-    attach_quant_rows(model, quantized)
+    attach_quant_rows(model, {name: dataclasses.replace(rows, int8_activations=int8) for name, rows in quantized.items()})
     model.prepare_for_inference()
+    if int8:
+        keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"), config.model.dtype)
     logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),
                 str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
                 config.parallel.data_parallel_rank)
     return model
+
+
+def keep_embedding_blocks(model: nn.Module, rows: QuantRows | None, dtype: torch.dtype) -> None:
+    """On the int8 path, the token embedding as its GGUF blocks (engine/models/block_embedding.py)
+    in place of its dense table (once packed, the LM head no longer shares that table): a tied LM
+    head's packed blocks where it has them, else the rows as the file stores them."""
+    decoder = getattr(model, "model", None)
+    embedding = getattr(decoder, "embed_tokens", None)
+    if decoder is None or not BlockEmbedding.takes(rows, embedding):
+        return
+    # A tied LM head on the kernel holds these blocks packed: they serve the lookups too.
+    head = getattr(getattr(model, "lm_head", None), "packed", None)
+    int8 = getattr(head, "int8", None)
+    tied = (model.config.model.tie_word_embeddings and int8 is not None and int8.kernel
+            and int8.ggml_type == rows.ggml_type and int8.out_features == rows.data.shape[0])
+    decoder.embed_tokens = BlockEmbedding(rows, dtype, int8.blocks if tied else None)
 
 
 def attach_quant_rows(model: nn.Module, quantized: dict[str, QuantRows]) -> None:

@@ -39,7 +39,8 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     prompts = [[5, 9, 33, 2, 17], list(range(40, 71)), list(range(3, 100, 2))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     args = dict(tokenizer=directory, max_model_len=256, kv_cache_memory="8MiB", num_threads=1,
-                dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False)
+                dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False,
+                quantized_activations="none")
     quant = LLM(str(path), **{"dtype": "float32", **args})
     linears = _packed(quant)
     assert linears and all(p is not None and p.panels is not None and p.panels.dtype == torch.uint8
