@@ -161,5 +161,5 @@ ENGINE_ARGS = (
     EngineArg("quantized_activations", "GGUF checkpoints on CPU: int8 quantizes each linear's activations per "
               "block of 32 and multiplies them with the weights' own Q4_0/Q4_1/Q8_0 blocks (llama.cpp's "
               "arithmetic, VNNI); none keeps the exact dequantized weights (token-identical to transformers "
-              "in float32; the default); auto is int8 on CPUs with AVX512-VNNI", choices=QUANTIZED_ACTIVATIONS),
+              "in float32); auto is int8 on CPUs with AVX512-VNNI", choices=QUANTIZED_ACTIVATIONS),
 )

@@ -143,7 +143,8 @@ def cpu_seconds(pids: Iterable[int]) -> float:
 
 # -- looking inside rank processes ---------------------------------------------------------------
 
-def probed_rank(report_dir: str | None, legacy_dummy: bool, config: EngineConfig, rank: int) -> None:
+def probed_rank(report_dir: str | None, legacy_dummy: bool, config: EngineConfig, rank: int,
+                generation: int | None = 0) -> None:
     """A rank process's entry point for tests: the real `run_rank`, whose EngineCore also
     writes a report (steps, a digest of every byte of its KV cache, non-zero bytes in block 0)
     to `report_dir` each time it reports stats, and, with `legacy_dummy`, runs every dummy
@@ -165,7 +166,7 @@ def probed_rank(report_dir: str | None, legacy_dummy: bool, config: EngineConfig
             return stats
 
     rank_module.EngineCore = ProbedCore  # this spawned process only
-    rank_module.run_rank(config, rank)
+    rank_module.run_rank(config, rank, generation)
 
 
 @contextlib.contextmanager

@@ -172,7 +172,7 @@ def test_fixed_shape_mla_decode_equals_the_eager_read_and_spreads_a_null_block_n
 
 # -- DP = 2 with expert parallelism on gloo: the lockstep group agrees on the path --------------
 
-def graph_rank(report_dir: str, config: EngineConfig, rank: int) -> None:
+def graph_rank(report_dir: str, config: EngineConfig, rank: int, generation: int | None = 0) -> None:
     """A rank process's entry point: the real `run_rank` with decode graphs on CPU (eager_reason
     answering None, so the runner builds DecodeGraphs and runs its fixed-shape forwards eagerly),
     reporting its replays and the null block after every stats report."""
@@ -193,7 +193,7 @@ def graph_rank(report_dir: str, config: EngineConfig, rank: int) -> None:
             return stats
 
     rank_module.EngineCore = GraphCore
-    rank_module.run_rank(config, rank)
+    rank_module.run_rank(config, rank, generation)
 
 
 DP_ARGS = dict(max_model_len=128, num_gpu_blocks=64, cuda_graph_sizes=(1, 2, 4, 8))

@@ -209,6 +209,7 @@ def test_a_rank_waiting_for_a_grammar_is_making_progress(ckpt):
     from engine.messages import EngineOutputs, StepStats
 
     state = ClientState(EngineConfig.create(ckpt, num_gpu_blocks=8))
+    state.incarnations[0] = 0  # rank 0's live process, as its RankReady registers it
 
     def report(steps: int, preparing: int) -> float:
         before = state.last_progress = 0.0

@@ -45,7 +45,7 @@ def _llm(q4_0_file, **kwargs) -> LLM:
 def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch):
     if not int8_linear.kernel_runs():
         pytest.skip("no AVX512-VNNI here: the reference alone runs")
-    llm = _llm(q4_0_file)  # auto: int8 where the kernel runs
+    llm = _llm(q4_0_file, quantized_activations="auto")  # auto: int8 where the kernel runs
     linears = _packed(llm)
     assert all(p.int8 is not None and p.int8.kernel for p in linears)
     # The blocks are the only copy: no panels, no oneDNN weight, no W^T.
