@@ -27,16 +27,9 @@ router = APIRouter()
 ROUTE = "/v1/chat/completions"
 
 
-@router.post(ROUTE, response_model=ChatCompletionResponse, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
-    state: AppState = request.app.state.kvsentry
-    state.check_model(body.model)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
-    check_max_logprobs(state, body.top_logprobs, "top_logprobs")
-    check_max_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
-    if body.stream and body.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
+def output_plan(state: AppState, body: ChatCompletionRequest):
+    """(tool plan, grammar, the field that asked for it, whether a reasoning parser runs) of a
+    chat request; the Responses API decides its output the same way."""
     try:
         plan = plan_tools(body, state.settings.tool_call_parser)
     except RecursionError:  # a tool's parameters nested deeper than any schema bound
@@ -49,6 +42,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     reasoning = state.settings.reasoning_parser is not None
     if reasoning and structured is not None:  # the grammar constrains the answer, not the thinking
         structured = after_reasoning(state, structured)
+    return plan, structured, grammar_param, reasoning
+
+
+@router.post(ROUTE, response_model=ChatCompletionResponse, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
+    state: AppState = request.app.state.kvsentry
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    check_max_logprobs(state, body.top_logprobs, "top_logprobs")
+    check_max_logprobs(state, body.prompt_logprobs, "prompt_logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs: not available when stream is true", "prompt_logprobs")
+    plan, structured, grammar_param, reasoning = output_plan(state, body)
     # Off the event loop: a template over thousands of messages or tools, and tokenizing what it
     # renders, take long enough to hold up every other request's streaming.
     prompt = await asyncio.to_thread(render_chat, state, body)

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from service.chat import output_plan
 from service.chat_render import render_chat
 from service.errors import APIError, bad_request
 from service.generate import EngineFailed, Generation, complete, request_params, start_stream
-from service.protocol import ChatCompletionRequest
 from service.reasoning import THINK_END, ReasoningStream
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
 from service.responses_api.convert import chat_request, in_responses_terms, input_messages, output_messages
@@ -29,9 +29,8 @@ from service.responses_api.store import ResponseStore
 from service.responses_api.stream import OutputEvents
 from service.sse import SSEResponse
 from service.state import AppState
-from service.structured import after_reasoning, check_limits_or_refuse, request_grammar
 from service.tool_stream import ToolCallStream
-from service.tools import ToolPlan, new_call_id, plan_tools
+from service.tools import ToolPlan, new_call_id
 
 router = APIRouter()
 ROUTE = "/v1/responses"
@@ -65,24 +64,6 @@ def previous_messages(store: ResponseStore, body: ResponsesRequest) -> list[dict
                           f"store: false is not kept, and the server keeps the {store.capacity} most recent)",
                           "previous_response_id", "previous_response_not_found")
     return list(entry.messages)
-
-
-def output_plan(state: AppState, chat: ChatCompletionRequest):
-    """(tool plan, grammar, the field that asked for it, reasoning) of the chat request, as the
-    chat route decides them."""
-    try:
-        plan = plan_tools(chat, state.settings.tool_call_parser)
-    except RecursionError:  # a tool's parameters nested deeper than any schema bound
-        raise bad_request("tools: parameters nested too deeply", "tools") from None
-    if plan is not None and plan.grammar is not None:
-        structured, grammar_param = plan.grammar, "tools"
-        check_limits_or_refuse(state, structured, "tools")
-    else:
-        structured, grammar_param = request_grammar(state, chat)
-    reasoning = state.settings.reasoning_parser is not None
-    if reasoning and structured is not None:  # the grammar constrains the answer, not the thinking
-        structured = after_reasoning(state, structured)
-    return plan, structured, grammar_param, reasoning
 
 
 @router.post(ROUTE, response_model=ResponseObject, responses={**ERROR_RESPONSES, **STREAM_RESPONSE})

@@ -45,8 +45,9 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def free_port_block(count: int = 3, low: int = 20000, high: int = 60000) -> int:
-    """First of `count` consecutive free TCP ports (the DP client binds rpc, rpc+1, rpc+2).
+def free_port_block(count: int = 3, low: int = 20000, high: int = 32700) -> int:
+    """First of `count` consecutive free TCP ports (the DP client binds rpc, rpc+1, rpc+2), below
+    Linux's ephemeral range (32768+), where the OS may hand one to an outgoing connection meanwhile.
 
     Never hands out the same block twice in one process, so LLMs created back to back do
     not collide while the previous one's sockets linger.
