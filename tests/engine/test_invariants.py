@@ -30,6 +30,13 @@ def assert_null_block_zero(core: EngineCore) -> None:
             assert torch.count_nonzero(t[0].view(torch.int32)) == 0, "null block written"
 
 
+def scheduled_slots(sched, block_size: int) -> set[int]:
+    """The cache slots of every token the step computes: each scheduled request's next positions."""
+    return {request.block_ids[pos // block_size] * block_size + pos % block_size
+            for request, num_new in sched.scheduled
+            for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new)}
+
+
 def changed_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[int]:
     slots: set[int] = set()
     for b, a in zip(before, after):
@@ -84,10 +91,7 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
 
     def run_step() -> None:
         sched = core.schedule()
-        expected = set()
-        for request, num_new in sched.scheduled:
-            for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
-                expected.add(request.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK)
+        expected = scheduled_slots(sched, BLOCK)
         before = cache_bits(core)
         written.clear()
         core.step(sched)

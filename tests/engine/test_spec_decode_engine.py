@@ -19,7 +19,7 @@ from engine.messages import EngineRequest
 from engine.ops import cpu_ops
 from engine.paging import PAD_SLOT_ID
 from tests.engine.spec_helpers import NEXT, SPEC, quoting_prompt, walk, write_cycling_checkpoint
-from tests.engine.test_invariants import assert_null_block_zero, cache_bits, changed_slots
+from tests.engine.test_invariants import assert_null_block_zero, cache_bits, changed_slots, scheduled_slots
 from tests.engine.test_spec_decode import MIN_P_VALUE
 
 BLOCK = 4
@@ -150,10 +150,7 @@ def test_rollback_keeps_the_cache_invariants(path, monkeypatch):
     while core.has_unfinished:
         sched = core.schedule()
         verify_steps += bool(sched.spec_token_ids)
-        expected = set()
-        for request, num_new in sched.scheduled:
-            for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
-                expected.add(request.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK)
+        expected = scheduled_slots(sched, BLOCK)
         before = cache_bits(core)
         written.clear()
         core.step(sched)
