@@ -182,6 +182,7 @@ class ResponsesRequest(StrictRequest):
     skip_special_tokens: bool = engine_field("skip_special_tokens")
     include_stop_str_in_output: bool = engine_field("include_stop_str_in_output")
     structured_outputs: StructuredOutputsRequest | None = None
+    priority: int = 0  # vLLM's: lower is scheduled first; not 0 needs --scheduling-policy priority
     # Accepted, without effect on the tokens (service/protocol.py's allow-list).
     user: str | None = None
     metadata: dict[str, str] | None = None

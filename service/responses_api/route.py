@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.core.validation import validate_priority
 from service.chat import output_plan
 from service.chat_render import render_chat
-from service.errors import APIError, bad_request
+from service.errors import APIError, bad_request, from_value_error
 from service.generate import EngineFailed, Generation, complete, request_params, start_stream
 from service.reasoning import THINK_END, ReasoningStream
 from service.responses import ERROR_RESPONSES, STREAM_RESPONSE, client_request_id
@@ -81,8 +82,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                                 param="messages", structured=structured)
     except APIError as exc:
         raise in_responses_terms(exc) from None
+    try:
+        validate_priority(state.config, body.priority)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
     generation = Generation(state, new_id("resp"), ROUTE, [prompt], params, client_request_id(request),
-                            request.scope.get("state"), grammar_param)
+                            request.scope.get("state"), grammar_param, body.priority)
     generation.submit()
     created = int(time.time())
     kept = body.store is not False and store.capacity > 0

@@ -108,3 +108,16 @@ def test_fcfs_server_refuses_a_priority(openai_client):
         openai_client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                               **greedy(extra_body={"priority": -1}))
     assert info.value.body["param"] == "priority"
+
+
+def test_responses_take_a_priority(priority_server, openai_client):
+    # vLLM's Responses request carries `priority` too: same rules as chat.
+    client = priority_server.openai()
+    args = dict(model=MAIN_MODEL_NAME, input="hi", max_output_tokens=8, temperature=0.0)
+    plain = client.responses.create(**args)
+    urgent = client.responses.create(**args, extra_body={"priority": -3})
+    assert urgent.output_text == plain.output_text and urgent.usage.output_tokens > 0
+    with pytest.raises(openai.BadRequestError) as info:  # the shared server runs fcfs
+        openai_client.responses.create(**args, extra_body={"priority": 2})
+    assert info.value.body["param"] == "priority"
+    assert "fcfs scheduling policy" in info.value.body["message"]
