@@ -53,13 +53,15 @@ def _number(value: float) -> str:
 
 
 LIMITS: dict[str, Bounds] = {
-    "n": Bounds(ge=1),
+    # Integers cross to the ranks as msgpack (at most 64 bits): each has an upper bound too, so an
+    # absurd value is the client's 400, never a message the engine cannot send.
+    "n": Bounds(ge=1, lt=2**31),
     "temperature": Bounds(ge=0.0),
     "top_p": Bounds(gt=0.0, le=1.0),
-    "top_k": Bounds(ge=-1),  # -1 and 0 disable it
+    "top_k": Bounds(ge=-1, lt=2**31),  # -1 and 0 disable it
     "min_p": Bounds(ge=0.0, le=1.0),
-    "max_tokens": Bounds(ge=1),
-    "min_tokens": Bounds(ge=0),
+    "max_tokens": Bounds(ge=1),  # checked against the context window before it is sent
+    "min_tokens": Bounds(ge=0, lt=2**31),
     "logprobs": Bounds(ge=0, le=MAX_LOGPROBS),
     "prompt_logprobs": Bounds(ge=0, le=MAX_LOGPROBS),
     "presence_penalty": Bounds(ge=-MAX_PENALTY, le=MAX_PENALTY),

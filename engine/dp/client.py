@@ -88,9 +88,13 @@ class ClientState:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank: must be in [0, {self.size})")
         request.wave = self.wave
+        try:  # before it is tracked: a request that cannot be sent leaves nothing behind
+            payload = self.encoder.encode(request)
+        except (msgspec.EncodeError, OverflowError) as exc:
+            raise ValueError(f"request: a value the engine cannot take ({exc})") from None
         self.tracked[request.request_id] = _Tracked(rank, request.params.n, request, self.incarnations.get(rank, 0))
         self.waiting[rank] += 1
-        messages = [(rank, self.encoder.encode(request))]
+        messages = [(rank, payload)]
         if self.lockstep:
             wake = self.encoder.encode(Wake(self.wave, self.generation))
             messages += [(r, wake) for r in range(self.size) if r != rank]
