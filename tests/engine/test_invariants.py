@@ -30,6 +30,27 @@ def assert_null_block_zero(core: EngineCore) -> None:
             assert torch.count_nonzero(t[0].view(torch.int32)) == 0, "null block written"
 
 
+def record_kv_writes(monkeypatch) -> list[torch.Tensor]:
+    """A list that gathers the real slots every KV write of a step targets (one entry per layer);
+    the caller clears it between steps. Steps go through the Python layer loop or the fused stack
+    (fused_stack.py, where every layer writes `slots`): both are recorded."""
+    written: list[torch.Tensor] = []
+    real_write, real_layers = llama_module.write_kv, cpu_ops.dense_decoder_layers
+
+    def recording_write(key, value, k_cache, v_cache, slot_mapping, counter=None, **kwargs):
+        written.append(slot_mapping[slot_mapping >= 0].clone())
+        real_write(key, value, k_cache, v_cache, slot_mapping, counter, **kwargs)
+
+    def recording_layers(*args):
+        slots, k_caches = args[10], args[6]
+        written.extend(slots[slots >= 0].clone() for _ in k_caches)
+        return real_layers(*args)
+
+    monkeypatch.setattr(llama_module, "write_kv", recording_write)
+    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", recording_layers)
+    return written
+
+
 def scheduled_slots(sched, block_size: int) -> set[int]:
     """The cache slots of every token the step computes: each scheduled request's next positions."""
     return {request.block_ids[pos // block_size] * block_size + pos % block_size
@@ -69,21 +90,7 @@ def test_random_schedules_keep_invariants(path, plan, seed, prefix, random_dummy
                                  dummy_batch_random_inputs=random_dummy, kv_checksums="full",
                                  scheduling_policy=policy, priority_aging_steps=3, dtype="float32")
     core = EngineCore(config)
-    written: list[torch.Tensor] = []
-    real_write, real_layers = llama_module.write_kv, cpu_ops.dense_decoder_layers
-
-    def recording_write(key, value, k_cache, v_cache, slot_mapping, counter=None, **kwargs):
-        written.append(slot_mapping[slot_mapping >= 0].clone())
-        real_write(key, value, k_cache, v_cache, slot_mapping, counter, **kwargs)
-
-    def recording_layers(*args):  # the fused stack (fused_stack.py): every layer writes `slots`
-        slots, k_caches = args[10], args[6]
-        written.extend(slots[slots >= 0].clone() for _ in k_caches)
-        return real_layers(*args)
-
-    # Steps go through the Python layer loop or the fused stack: record the writes of both.
-    monkeypatch.setattr(llama_module, "write_kv", recording_write)
-    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", recording_layers)
+    written = record_kv_writes(monkeypatch)
     rng = random.Random(seed)
     ids = []
     # Shared stems so the prefix cache sees repeats.

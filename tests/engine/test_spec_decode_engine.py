@@ -10,16 +10,14 @@ import random
 import pytest
 import torch
 
-import engine.models.llama as llama_module
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.block_pool import hash_block
 from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest
-from engine.ops import cpu_ops
 from engine.paging import PAD_SLOT_ID
 from tests.engine.spec_helpers import NEXT, SPEC, quoting_prompt, walk, write_cycling_checkpoint
-from tests.engine.test_invariants import assert_null_block_zero, cache_bits, changed_slots, scheduled_slots
+from tests.engine.test_invariants import assert_null_block_zero, cache_bits, changed_slots, record_kv_writes, scheduled_slots
 from tests.engine.test_spec_decode import MIN_P_VALUE
 
 BLOCK = 4
@@ -126,20 +124,7 @@ def test_rollback_keeps_the_cache_invariants(path, monkeypatch):
                                  max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=True,
                                  kv_checksums="full", speculative_config=SPEC)
     core = EngineCore(config)
-    written: list[torch.Tensor] = []
-    real_write, real_layers = llama_module.write_kv, cpu_ops.dense_decoder_layers
-
-    def recording_write(key, value, k_cache, v_cache, slot_mapping, counter=None, **kwargs):
-        written.append(slot_mapping[slot_mapping >= 0].clone())
-        real_write(key, value, k_cache, v_cache, slot_mapping, counter, **kwargs)
-
-    def recording_layers(*args):
-        slots, k_caches = args[10], args[6]
-        written.extend(slots[slots >= 0].clone() for _ in k_caches)
-        return real_layers(*args)
-
-    monkeypatch.setattr(llama_module, "write_kv", recording_write)
-    monkeypatch.setattr(cpu_ops, "dense_decoder_layers", recording_layers)
+    written = record_kv_writes(monkeypatch)
     rng = random.Random(5)
     stems = [quoting_prompt(rng, quote=16) for _ in range(3)]
     for i in range(12):
