@@ -138,6 +138,20 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 # -- load -----------------------------------------------------------------------------------------
+async def stream_events(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None):
+    """The parsed events of one streamed completion (an error event or a non-200 raises)."""
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            yield event
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                       output_len: int, headers: dict) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
@@ -147,25 +161,17 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     first = last = None
     tokens = 0
     text, token_ids = [], None
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            if event.get("choices"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                choice = event["choices"][0]
-                text.append(choice.get("text") or "")
-                if choice.get("token_ids") is not None:
-                    token_ids = (token_ids or []) + choice["token_ids"]
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+    async for event in stream_events(client, f"{url}/v1/completions", body, headers):
+        if event.get("choices"):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            choice = event["choices"][0]
+            text.append(choice.get("text") or "")
+            if choice.get("token_ids") is not None:
+                token_ids = (token_ids or []) + choice["token_ids"]
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
     if first is None:
         raise RuntimeError("no tokens streamed")
     itl = (last - first) / (tokens - 1) if tokens > 1 else None

@@ -41,7 +41,7 @@ import httpx
 from llamacpp_peer import LlamaCppServer, quantize, version
 from perplexity import text_source
 from results import provenance, write_result
-from serve import RequestResult, percentile
+from serve import RequestResult, percentile, stream_events
 from servers import KvsentryServer, process_tree, thread_cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,18 +125,12 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     if llama:
         body["cache_prompt"] = False
     start, first, last, chunks, text = time.perf_counter(), None, None, 0, []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-                text.append(event["choices"][0]["text"])
+    async for event in stream_events(client, f"{url}/v1/completions", body):
+        if event.get("choices") and event["choices"][0].get("text"):
+            last = time.perf_counter()
+            first = first or last
+            chunks += 1
+            text.append(event["choices"][0]["text"])
     if first is None:
         raise RuntimeError("no tokens streamed")
     # ignore_eos: every request makes max_tokens tokens (a chunk may carry several when they join into one character).
