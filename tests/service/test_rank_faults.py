@@ -63,11 +63,15 @@ def greedy(client: openai.OpenAI, prompt: str, stream: bool) -> tuple[str, list[
 def run_load(server: ServerProcess, fault: dict | None, victim_pid: int | None = None) -> list[tuple[str, list]]:
     """24 concurrent requests, every other one streamed; `fault` posted once some have streamed."""
     client = server.openai(timeout=120)
+    # The counter is cumulative over the server's life: count from what it read before this
+    # load, or a second load would fire the fault before its requests were routed.
+    start = sum(server.metric("kvsentry_generation_tokens_total"))
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(greedy, client, p, i % 2 == 0) for i, p in enumerate(PROMPTS)]
         if fault is not None:
-            deadline = time.monotonic() + 60
-            while sum(server.metric("kvsentry_generation_tokens_total")) < 200:  # both ranks mid-batch
+            deadline, victim = time.monotonic() + 60, str(fault["rank"])
+            while (sum(server.metric("kvsentry_generation_tokens_total")) < start + 200  # both ranks mid-batch
+                   or sum(server.metric("kvsentry_num_requests_waiting", engine=victim)) < 1):  # some unstarted
                 assert time.monotonic() < deadline, "no tokens streamed"
                 time.sleep(0.02)
             response = httpx.post(f"{server.url}/debug/faults", json=fault, timeout=10)
