@@ -135,8 +135,10 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class _Converter:
-    def __init__(self, gguf: GGUFFile, hf: dict[str, Any], wants: Wants, quantized: dict[str, QuantRows] | None):
+    def __init__(self, gguf: GGUFFile, hf: dict[str, Any], wants: Wants, quantized: dict[str, QuantRows] | None,
+                 blocks_only: Wants):
         self.gguf, self.hf, self.wants, self.quantized = gguf, hf, wants, quantized
+        self.blocks_only = blocks_only
         self.architecture = hf["architectures"][0]
         self.modules = {**_LAYER_MODULES, **_ARCH_MODULES.get(self.architecture, {})}
         self.experts = _MIXTRAL_EXPERTS if self.architecture == "MixtralForCausalLM" else _EXPERTS
@@ -148,8 +150,7 @@ class _Converter:
             return
         if info.name in _GLOBAL:
             name = _GLOBAL[info.name]
-            if self.wants(name):
-                self._keep_rows(name, info, lambda rows: rows)
+            if self.wants(name) and not self._keep_rows(name, info, lambda rows: rows):
                 yield name, dequantize(self.gguf, info)
             return
         match = _BLOCK_NAME.fullmatch(info.name)
@@ -173,20 +174,23 @@ class _Converter:
                 yield name, self._kv_b(layer)
         elif key in self.modules:
             name = f"{prefix}.{self.modules[key]}.{suffix}"
-            if self.wants(name):
-                self._keep_rows(name, info, lambda rows: self._fix_layout(key, rows))
+            if self.wants(name) and not self._keep_rows(name, info, lambda rows: self._fix_layout(key, rows)):
                 yield name, self._fix_layout(key, dequantize(self.gguf, info))
         else:
             raise ValueError(f"{self.gguf.path}: GGUF tensor {info.name!r} has no Hugging Face name "
                              f"for {self.architecture}")
 
-    def _keep_rows(self, name: str, info: TensorInfo, layout: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Record the tensor's blocks, rows laid out as its dequantized values are, when asked to."""
+    def _keep_rows(self, name: str, info: TensorInfo, layout: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Record the tensor's blocks, rows laid out as its dequantized values are, when asked to.
+        True where the blocks are all the model needs (`blocks_only`): then it is not dequantized."""
         rows = quant_rows(self.gguf, info) if self.quantized is not None else None
-        if rows is not None:
-            data = layout(rows.data)
-            if data.shape == rows.data.shape:  # a row permutation: blocks move with their rows
-                self.quantized[name] = QuantRows(rows.ggml_type, rows.k, data.contiguous())
+        if rows is None:
+            return False
+        data = layout(rows.data)
+        if data.shape != rows.data.shape:  # not a row permutation: the dense tensor it is
+            return False
+        self.quantized[name] = QuantRows(rows.ggml_type, rows.k, data.contiguous())
+        return rows.ggml_type in INT8_TYPES and self.blocks_only(name)
 
     def _fix_layout(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.permuted and key == "attn_q":
@@ -207,11 +211,15 @@ class _Converter:
 
 
 def gguf_weights(gguf: GGUFFile, hf: dict[str, Any], wants: Wants, progress: bool = False,
-                 quantized: dict[str, QuantRows] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 quantized: dict[str, QuantRows] | None = None,
+                 blocks_only: Wants = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor `wants` accepts, dequantized one at a time;
-    a tqdm bar on stderr when `progress`. With `quantized`, also the blocks of each 2-D Q4_1 or
-    Q8_0 tensor, by HF name, for the GEMMs that multiply by them (engine/models/cpu_gemm.py)."""
-    converter = _Converter(gguf, hf, wants, quantized)
+    a tqdm bar on stderr when `progress`. With `quantized`, also the blocks of each 2-D tensor of
+    PANEL_TYPES or INT8_TYPES, by HF name, for the GEMMs that multiply by them
+    (engine/models/cpu_gemm.py); a tensor of INT8_TYPES that `blocks_only` names is then only
+    recorded there, never dequantized (the int8 path needs no dense copy: a 4-bit file stays
+    about its own size in memory while it loads)."""
+    converter = _Converter(gguf, hf, wants, quantized, blocks_only)
     bar = tqdm(total=len(gguf.tensors), desc=f"dequantizing {gguf.path.name}", unit="tensor",
                file=sys.stderr, disable=not progress, leave=False)
     with bar:

@@ -45,3 +45,13 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("mallopt refused the heap settings; steps will page-fault their activations")
     return ok
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel once (malloc_trim): after loading, whose
+    blocks and dequantized tensors are freed for good, unlike a step's activations. A 1B Q4_0
+    GGUF's rank drops from 1.45 to 1.08 GB resident (2026-12-04, Xeon). No-op without glibc."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

@@ -276,12 +276,16 @@ def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
     """One PackedLinear computing the concatenated outputs of `layers` (same input):
     one pass over the activations for q|k|v or gate|up (their GGUF blocks too, where all have
     blocks of one type)."""
-    weight = torch.cat([layer.weight for layer in layers])
     quant = [getattr(layer, "gguf_rows", None) for layer in layers]
     rows = None
     if all(q is not None for q in quant) and len({(q.ggml_type, q.k) for q in quant}) == 1:
         rows = QuantRows(quant[0].ggml_type, quant[0].k, torch.cat([q.data for q in quant]),
                          all(q.int8_activations for q in quant))
+    out_features = sum(layer.out_features for layer in layers)
+    if int8_takes(rows, out_features, layers[0].in_features):  # the blocks are the weight: its shape will do
+        weight = layers[0].weight.new_zeros(()).expand(out_features, layers[0].in_features)
+    else:
+        weight = torch.cat([layer.weight for layer in layers])
     for layer in layers:
         layer.gguf_rows = None
     biases = [layer.bias for layer in layers]

@@ -2,6 +2,7 @@
 or a GGUF file, dequantized into the serving dtype."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,6 +19,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.weights import QuantRows, gguf_weights
+from engine.memory.host_memory import release_freed_memory
 from engine.models.block_embedding import BlockEmbedding
 from engine.models.int8_linear import int8_activations
 from engine.models.layers import Linear
@@ -54,22 +56,31 @@ def load_model(config: EngineConfig) -> nn.Module:
     """Build the model for this rank and fill it; only tensors the rank wants are read."""
     start = time.perf_counter()
     path = config.model.path
-    with torch.device(config.device):
+    # Every parameter is then filled from the checkpoint (or the load fails): initializing them
+    # first would only cost time, and touch memory the int8 path never uses.
+    with torch.device(config.device), uninitialized_parameters():
         model = build_model(config)
     quantized: dict[str, QuantRows] = {}
     # The GGUF linears multiply with int8 activations (engine/models/int8_linear.py).
     int8 = is_gguf_path(path) and int8_activations(config.quantized_activations, config.device)
+    blocks_only = blocks_only_weights(model) if int8 else frozenset()
     if is_gguf_path(path):
         # One bar per machine is enough: DP rank 0 draws it, on a terminal only.
         progress = sys.stderr.isatty() and config.parallel.data_parallel_rank == 0
         keep = quantized if config.device == "cpu" and (int8 or not envs.disable_quant_panels()) else None
-        weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress, keep)
+        weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress, keep,
+                               blocks_only.__contains__)
     else:
         weights = safetensors_weights(path, model)
     loaded: set[str] = set()
     for name, tensor in weights:
         model.load_weight(name, tensor)
         loaded.add(name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in blocks_only & quantized.keys():  # its blocks are the weight: no dense copy
+        if name not in loaded:
+            shape_only(params[name], config.model.dtype)
+            loaded.add(name)
     missing = model.missing_weights(loaded)  # names as the checkpoint spells them
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
@@ -78,10 +89,43 @@ def load_model(config: EngineConfig) -> nn.Module:
     model.prepare_for_inference()
     if int8:
         keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"), config.model.dtype)
+    del quantized, weights
+    release_freed_memory()
     logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),
                 str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
                 config.parallel.data_parallel_rank)
     return model
+
+
+@contextlib.contextmanager
+def uninitialized_parameters() -> Iterator[None]:
+    """nn.Linear and nn.Embedding built without their random initialization: their memory stays
+    untouched (not resident) until the checkpoint fills it, and a 1B model builds in no time."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def blocks_only_weights(model: nn.Module) -> frozenset[str]:
+    """Weights that, on the int8 path, need nothing but their GGUF blocks: those of the Linears
+    that pack them (engine/models/int8_linear.py; not one whose weight is also read directly)
+    and the token embedding, which gathers from them (engine/models/block_embedding.py)."""
+    names = {f"{name}.weight" for name, module in model.named_modules()
+             if isinstance(module, Linear) and not module.keep_weight}
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if isinstance(embedding, nn.Embedding):
+        names.add("model.embed_tokens.weight")
+    return frozenset(names)
+
+
+def shape_only(param: nn.Parameter, dtype: torch.dtype) -> None:
+    """Swap a parameter's storage for one element broadcast to its shape, in the serving dtype:
+    packing reads only its shape, and the untouched allocation goes back. In place, so a tied
+    LM head (the same Parameter) sees it too."""
+    param.data = torch.zeros((), dtype=dtype, device=param.device).expand(param.shape)
 
 
 def keep_embedding_blocks(model: nn.Module, rows: QuantRows | None, dtype: torch.dtype) -> None:

@@ -108,6 +108,26 @@ def test_weights_stay_in_their_blocks(q4_0_file):
     assert held <= 1.15 * file_bytes, (held, file_bytes)
 
 
+def test_blocks_are_never_dequantized(q4_0_file, monkeypatch):
+    """On the int8 path the loader copies the linears' and the embedding's blocks and nothing
+    else: only the norms are dequantized, and no dense weight is ever filled (a 4-bit file loads
+    in about its own size)."""
+    from engine.gguf import weights
+    dequantized = []
+    real = weights.dequantize
+    monkeypatch.setattr(weights, "dequantize", lambda gguf_file, info, index=None:
+                        dequantized.append(info.name) or real(gguf_file, info, index))
+    llm = _llm(q4_0_file, quantized_activations="int8")
+    model = llm.engine.runner.model
+    llm.close()
+    assert dequantized and all(name.endswith("norm.weight") for name in dequantized), dequantized
+    # Each packed linear's weight is one element broadcast to its shape, or released.
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and weight is not None:
+            assert weight.untyped_storage().nbytes() <= weight.element_size(), module
+
+
 def test_none_keeps_the_exact_weights(q4_0_file):
     llm = _llm(q4_0_file, quantized_activations="none")
     assert all(p.int8 is None for p in _packed(llm))
