@@ -122,10 +122,12 @@ struct LayerOps {
   // are uint8, and either GEMM takes them); else
   // mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
   Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
-    // cpu_int8_gemm.cpp's packed blocks: uint8 [groups, blocks, 288 | 320 | 544] (Q4_0, Q4_1, Q8_0),
-    // never a panel block's size (cpu_quant_panels.h: 1280, 2176).
-    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte && weight.dim() == 3 &&
-        (weight.size(2) == 288 || weight.size(2) == 320 || weight.size(2) == 544)) {
+    // cpu_int8_gemm.cpp's packed blocks: uint8 [groups, blocks, 288 | 320 | 352 | 544 | 2368 | 3360]
+    // (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), never a panel block's size (cpu_quant_panels.h: 1280, 2176).
+    const int64_t int8_bytes = weight.dim() == 3 ? weight.size(2) : 0;
+    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte &&
+        (int8_bytes == 288 || int8_bytes == 320 || int8_bytes == 352 || int8_bytes == 544 || int8_bytes == 2368 ||
+         int8_bytes == 3360)) {
       return int8_gemm.call(x, weight, bias, out_features);
     }
     if (!weight.is_mkldnn()) {
