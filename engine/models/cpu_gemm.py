@@ -70,7 +70,7 @@ import logging
 
 from engine import envs
 from engine.gguf.weights import PANEL_TYPES, QuantRows
-from engine.models.int8_linear import Int8Blocks, takes as int8_takes
+from engine.models.int8_linear import Int8Blocks, Int8Parts, blocks_of as int8_blocks_of, takes as int8_takes
 from engine.ops import cpu_ops, registry
 from engine.ops.registry import ONEDNN
 from engine.memory.huge_pages import to_huge_pages
@@ -186,18 +186,21 @@ class PackedLinear:
     the GEMMs dequantize as they go: the same products of the same values, from a third to a
     sixth of the bytes. Immutable after construction."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: QuantRows | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 rows: QuantRows | tuple[QuantRows, ...] | None = None):
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         # GGUF blocks multiplied with int8 activations (engine/models/int8_linear.py): the only
         # copy of the weight, every size.
-        self.int8: Int8Blocks | None = None
+        self.int8: Int8Blocks | Int8Parts | None = None
         if int8_takes(rows, self.out_features, self.in_features):
-            self.int8 = Int8Blocks(rows, self.bias)
+            self.int8 = int8_blocks_of(rows, self.bias)
             self.panels = self.wide_panels = None
             self.onednn, self.panel_max_rows, self.path = False, None, self.int8.path
             return
+        if not isinstance(rows, QuantRows):
+            rows = None  # parts of several types serve the int8 path only
         panels = panels_supported(weight)
         # The GGUF blocks as panels, unless no panels run here (switched off: panel_max_rows 0).
         quant = quant_panels(weight, rows) if panels and panel_max_rows(weight.dtype) != 0 else None
@@ -282,6 +285,8 @@ def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
     if all(q is not None for q in quant) and len({(q.ggml_type, q.k) for q in quant}) == 1:
         rows = QuantRows(quant[0].ggml_type, quant[0].k, torch.cat([q.data for q in quant]),
                          all(q.int8_activations for q in quant))
+    elif all(q is not None and q.int8_activations for q in quant):
+        rows = tuple(quant)  # blocks of several types: parts on the int8 path (int8_linear.Int8Parts), if it takes them
     for layer in layers:
         layer.gguf_rows = None
     biases = [layer.bias for layer in layers]
