@@ -68,6 +68,7 @@ struct LayerOps {
   c10::TypedOperatorHandle<PanelSig> panel_gemm;      // bf16 panels
   c10::TypedOperatorHandle<PanelSig> f32_panel_gemm;  // float32 panels
   c10::TypedOperatorHandle<PanelSig> int8_gemm;       // GGUF blocks with int8 activations
+  c10::TypedOperatorHandle<PanelSig> int8_gemm_parts;  // the same, in parts of several GGML types
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
       add_rms_norm;
@@ -94,6 +95,7 @@ struct LayerOps {
         panel_gemm(find("kvsentry::bf16_gemm").typed<PanelSig>()),
         f32_panel_gemm(find("kvsentry::f32_gemm").typed<PanelSig>()),
         int8_gemm(find("kvsentry::int8_gemm").typed<PanelSig>()),
+        int8_gemm_parts(find("kvsentry::int8_gemm_parts").typed<PanelSig>()),
         rms_norm(find("kvsentry::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double)>()),
         add_rms_norm(find("kvsentry::add_rms_norm")
                          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>()),
@@ -129,6 +131,10 @@ struct LayerOps {
         (int8_bytes == 288 || int8_bytes == 320 || int8_bytes == 352 || int8_bytes == 544 || int8_bytes == 2368 ||
          int8_bytes == 3360)) {
       return int8_gemm.call(x, weight, bias, out_features);
+    }
+    // int8_gemm_parts' vector of parts (a q|k|v of several GGML types).
+    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte && weight.dim() == 1) {
+      return int8_gemm_parts.call(x, weight, bias, out_features);
     }
     if (!weight.is_mkldnn()) {
       return (x.scalar_type() == at::kFloat ? f32_panel_gemm : panel_gemm).call(x, weight, bias, out_features);

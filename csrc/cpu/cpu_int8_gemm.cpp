@@ -11,6 +11,11 @@
 //            of 256) -> [ceil(N / 16), K / values, block bytes'] uint8
 //   y = torch.ops.kvsentry.int8_gemm(x [M, K] float32 or bf16, packed, bias [N] or None, N) -> [M, N]
 //   torch.ops.kvsentry.int8_gemm_supported() -> bool  built with AVX-512 and the CPU has AVX512-VNNI
+//   y = torch.ops.kvsentry.int8_gemm_parts(x, parts, bias [N] or None, N) -> [M, N]: a linear whose
+//            outputs come in parts of different types (a q|k|v whose v is another format), each
+//            int8_gemm's: parts uint8 [bytes], a header of int64 (the count P, then per part its
+//            N_p and its packed shape [groups, blocks, block bytes']) zero-padded to a multiple of
+//            64 bytes, then each part's packed blocks in order (engine/models/int8_linear.py).
 //
 // Packed layout: one block per 32 of K for a group of 16 outputs: the 16 scales as float16
 // (Q4_1: then the 16 minima), then the quants as 64-byte vectors whose byte 4r + j belongs to
@@ -30,6 +35,7 @@
 // each weight vector 4 times and each activation broadcast twice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -486,15 +492,48 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
+Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tensor>& bias, int64_t n) {
+  TORCH_CHECK(parts.dim() == 1 && parts.scalar_type() == at::kByte && parts.is_contiguous() && parts.numel() >= 8,
+              kOp, "_parts: parts must be a uint8 vector from int8_linear's Int8Parts");
+  const uint8_t* bytes = parts.data_ptr<uint8_t>();
+  const auto field = [&](int64_t i) {
+    int64_t value;
+    std::memcpy(&value, bytes + 8 * i, 8);
+    return value;
+  };
+  const int64_t count = field(0);
+  TORCH_CHECK(count > 0 && 8 * (1 + 4 * count) <= parts.numel(), kOp, "_parts: a header of ", count, " parts");
+  int64_t offset = (8 * (1 + 4 * count) + 63) / 64 * 64, n0 = 0;
+  std::vector<Tensor> outs;
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t np = field(1 + 4 * p), groups = field(2 + 4 * p), blocks = field(3 + 4 * p), size = field(4 + 4 * p);
+    const int64_t length = groups * blocks * size;
+    TORCH_CHECK(np > 0 && groups > 0 && blocks > 0 && size > 0 && offset + length <= parts.numel(), kOp,
+                "_parts: part ", p, " does not fit");
+    std::optional<Tensor> part_bias;
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, "_parts: bias must be [", n, "]");
+      part_bias = bias->narrow(0, n0, np);
+    }
+    outs.push_back(gemm(x, parts.narrow(0, offset, length).view({groups, blocks, size}), part_bias, np));
+    offset += length;
+    n0 += np;
+  }
+  TORCH_CHECK(n0 == n && offset == parts.numel(), kOp, "_parts: the parts hold ", n0, " outputs, not ", n);
+  return at::cat(outs, 1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("int8_gemm_pack(Tensor raw, int type, int k) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("int8_gemm_supported() -> bool", &supported);
+  m.def("int8_gemm_parts(Tensor x, Tensor parts, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("int8_gemm_pack", &pack);
   m.impl("int8_gemm", &gemm);
+  m.impl("int8_gemm_parts", &gemm_parts);
 }

@@ -33,9 +33,8 @@ def _linears(layer: nn.Module) -> tuple:
 
 def _int8_kernel(linear) -> bool:
     """Whether a packed linear runs csrc/cpu/cpu_int8_gemm.cpp on GGUF blocks (engine/models/int8_linear.py),
-    which the op calls too (not the torch reference: the loop runs that; nor parts of several
-    GGML types, int8_linear.Int8Parts: the op takes one tensor per linear)."""
-    return linear.int8 is not None and linear.int8.kernel and linear.int8.blocks is not None
+    which the op calls too (not the torch reference: the loop runs that)."""
+    return linear.int8 is not None and linear.int8.kernel
 
 
 class FusedLayerStack:

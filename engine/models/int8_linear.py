@@ -88,26 +88,42 @@ class Int8Blocks:
 
 
 class Int8Parts:
-    """A linear whose outputs are the concatenated outputs of parts of different GGML types
-    (Int8Blocks each): y = [part(x) for part], in order. One call per part; the fused layer stack
-    (engine/models/fused_stack.py) takes one tensor per linear, so a model holding one runs its
-    layers in the Python loop (`blocks` is None). Immutable after construction."""
-
-    blocks = None
+    """A linear whose outputs are the concatenated outputs of parts of different GGML types:
+    y = [part(x) for part], in order. On the kernel, the parts' packed blocks lie in one uint8
+    vector behind a header (csrc/cpu/cpu_int8_gemm.cpp's int8_gemm_parts), which the fused layer
+    stack takes as it takes one part's blocks; on the reference, one call per part and the layers
+    run the Python loop (`blocks` None). Immutable after construction."""
 
     def __init__(self, parts: Sequence[QuantRows], bias: torch.Tensor | None):
         sizes = [p.data.shape[0] for p in parts]
         biases = [None] * len(parts) if bias is None else list(bias.split(sizes))
-        self.parts = [Int8Blocks(p, b) for p, b in zip(parts, biases)]
-        self.k, self.out_features = parts[0].k, sum(sizes)
+        blocks = [Int8Blocks(p, b) for p, b in zip(parts, biases)]
+        self.k, self.out_features, self.bias = parts[0].k, sum(sizes), bias
         self.ggml_type = None  # several
-        self.kernel = all(p.kernel for p in self.parts)
+        self.kernel = all(b.kernel for b in blocks)
         names = "+".join(dict.fromkeys(TYPE_NAMES[p.ggml_type] for p in parts))
-        self.path = self.parts[0].path.replace(f"on {TYPE_NAMES[parts[0].ggml_type]} blocks", f"on {names} blocks")
+        self.path = blocks[0].path.replace(f"on {TYPE_NAMES[parts[0].ggml_type]} blocks", f"on {names} blocks")
+        # Kernel: uint8 [header + the parts' packed blocks] (int8_gemm_parts'), the parts' only copy.
+        self.parts: list[Int8Blocks] = []
+        self.blocks: torch.Tensor | None = None
+        if self.kernel:
+            count = len(blocks)
+            header = torch.zeros(-(-8 * (1 + 4 * count) // 64) * 8, dtype=torch.int64)
+            header[0] = count
+            for i, (part, n) in enumerate(zip(blocks, sizes)):
+                header[1 + 4 * i:5 + 4 * i] = torch.tensor([n, *part.blocks.shape])
+            self.blocks = to_huge_pages(torch.cat([header.view(torch.uint8)] + [b.blocks.reshape(-1) for b in blocks]))
+            self._gemm = registry.op("int8_gemm_parts")
+        else:
+            self.parts = blocks
 
     @property
     def nbytes(self) -> int:
+        if self.blocks is not None:
+            return self.blocks.numel()
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.blocks is not None:
+            return self._gemm(x, self.blocks, self.bias, self.out_features)
         return torch.cat([part(x) for part in self.parts], dim=-1)

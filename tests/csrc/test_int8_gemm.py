@@ -157,3 +157,26 @@ def test_packed_rows_read_back_as_their_gguf_rows(kvsentry_ops, qtype):
     got, want = packed_blocks(packed, ids, int(qtype)), weight_blocks(raw[ids], int(qtype), k)
     for g, w in zip(got, want):
         assert (g is None and w is None) or torch.equal(g, w)
+
+
+def test_parts_of_several_types_are_their_parts_side_by_side(kvsentry_ops):
+    """A q|k|v of several GGML types (engine/models/int8_linear.py's Int8Parts, one vector behind a
+    header): int8_gemm_parts gives each part's int8_gemm (so the reference's) bits in its columns."""
+    from engine.gguf.weights import QuantRows
+    from engine.models.int8_linear import Int8Parts
+    supported(kvsentry_ops)
+    k = 512
+    rows = [QuantRows(int(t), k, blocks(t, n, k, seed=n), True) for t, n in ((Q.Q4_K, 37), (Q.Q6_K, 16), (Q.Q5_0, 21))]
+    bias = torch.randn(74)
+    parts = Int8Parts(rows, bias)
+    assert parts.kernel and parts.blocks.dim() == 1 and parts.path.endswith("on q4_k+q6_k+q5_0 blocks")
+    for m in (1, 5, 33):
+        x = torch.randn(m, k)
+        want = torch.cat([int8_gemm_reference(x, r.data, r.ggml_type, b) for r, b in zip(rows, bias.split([37, 16, 21]))], 1)
+        assert torch.equal(parts(x), want), m
+        assert torch.equal(kvsentry_ops.int8_gemm_parts(x, parts.blocks, None, 74),
+                           torch.cat([int8_gemm_reference(x, r.data, r.ggml_type) for r in rows], 1))
+    with pytest.raises(RuntimeError, match="parts hold 74 outputs, not 75"):
+        kvsentry_ops.int8_gemm_parts(torch.randn(2, k), parts.blocks, None, 75)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kvsentry_ops.int8_gemm_parts(torch.randn(2, k), parts.blocks[:-64].contiguous(), None, 74)

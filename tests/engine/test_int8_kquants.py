@@ -3,7 +3,8 @@ attn_v and ffn_down and for the tied token embedding / LM head; Q5_0 where a row
 whole super-blocks of 256, here o_proj's 64) on the int8-activation path
 (engine/models/int8_linear.py): every linear and the embedding hold blocks, nothing dense; the
 kernel serves the torch reference's very tokens and log-probs; the teacher-forced perplexity of
-the int8 path is close to the exact one; --quantized-activations none is the dequantized model."""
+the int8 path is close to the exact one; the fused layer stack serves the loop's bits;
+--quantized-activations none is the dequantized model."""
 from __future__ import annotations
 
 import json
@@ -81,6 +82,24 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypat
     assert all(p.int8 is not None and not p.int8.kernel for p in _linears(reference))
     want = reference.generate(PROMPTS, PARAMS)
     reference.close()
+    for ref, out in zip(want, got):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def test_the_fused_layer_stack_serves_the_loops_bits(q4_k_m_file):
+    """The layers as one csrc op, the first layer's q|k|v in parts of two types included, give the
+    Python loop's bits."""
+    if not int8_linear.kernel_runs():
+        pytest.skip("no AVX512-VNNI here: the reference runs in the loop")
+    fused = _llm(q4_k_m_file, quantized_activations="int8")
+    assert fused.engine.runner.model.model.fused is not None
+    got = fused.generate(PROMPTS, PARAMS)
+    fused.close()
+    loop = _llm(q4_k_m_file, quantized_activations="int8", enforce_eager=True)
+    assert loop.engine.runner.model.model.fused is None
+    want = loop.generate(PROMPTS, PARAMS)
+    loop.close()
     for ref, out in zip(want, got):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
