@@ -50,7 +50,8 @@ def blocks(shape: tuple[int, int], qtype, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
     for at in SCALE_BYTES[qtype.name]:
-        raw[..., at:at + 2] = (np.abs(rng.standard_normal((n, k // values, 1))) * 1e-3).astype(np.float16).view(np.uint8)
+        scale = (np.abs(rng.standard_normal((n, k // values, 1))) * 1e-3).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 
 

@@ -1,9 +1,9 @@
 // The int8-activation GEMM of GGUF blocks (AVX512-VNNI): y = x W^T with x quantized per block of
 // 32 values to int8 (a float32 scale per block, and its sum for Q4_1's and Q4_K's minima), multiplied
-// with `vpdpbusd` against the weight's own Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks. The arithmetic, and the order
-// of every float32 rounding, is engine/models/int8_reference.py's (tests/csrc/test_int8_gemm.py
-// holds them to the same bits); each output is summed over K's blocks in order, the same way
-// whatever batch its row is in.
+// with `vpdpbusd` against the weight's own Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks. The
+// arithmetic, and the order of every float32 rounding, is engine/models/int8_reference.py's
+// (tests/csrc/test_int8_gemm.py holds them to the same bits); each output is summed over K's
+// blocks in order, the same way whatever batch its row is in.
 //
 //   packed = torch.ops.kvsentry.int8_gemm_pack(raw, type, k)
 //            raw [N, K / values * block bytes] uint8: a GGUF tensor's rows of Q4_0 (type 2),
@@ -355,7 +355,8 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
       if (kType == kQ4_K) {
         // dw = d * sc[j], mw = dmin * m[j]: one rounding each (the integers are exact in float32).
         const auto six_bits = [&](int64_t offset) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset))));
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset));
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
         };
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
         dw = _mm512_mul_round_ps(dw, six_bits(kQ4KScales + kGroup * (b % 8)), kRound);
@@ -379,13 +380,16 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
           // sa * isum_a + sb * isum_b, exact in int32 (below 2^24).
           const int32_t half = rows[r].half[b];
           const __m512i a = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half));
-          const __m512i bsum = _mm512_sub_epi32(isum[kHalves - 1][g][r], _mm512_set1_epi32(32 * (rows[r].sum[b] - half)));
+          const __m512i bsum =
+              _mm512_sub_epi32(isum[kHalves - 1][g][r], _mm512_set1_epi32(32 * (rows[r].sum[b] - half)));
           dot = _mm512_add_epi32(_mm512_mullo_epi32(a, scale_a), _mm512_mullo_epi32(bsum, scale_b));
         }
         const __m512 scale = _mm512_mul_round_ps(dw, _mm512_set1_ps(rows[r].dx[b]), kRound);
         __m512 term = _mm512_mul_round_ps(scale, _mm512_cvtepi32_ps(dot), kRound);
         if (kType == kQ4_1) term = _mm512_add_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
-        if (kType == kQ4_K) term = _mm512_sub_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
+        if (kType == kQ4_K) {
+          term = _mm512_sub_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
+        }
         acc[g][r] = _mm512_add_round_ps(acc[g][r], term, kRound);
       }
     }

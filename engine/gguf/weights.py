@@ -75,7 +75,8 @@ INT8_TYPES = frozenset({2, 3, 6, 8, 12, 14})
 @dataclass(frozen=True)
 class QuantRows:
     """A 2-D GGUF tensor's rows as stored: `data` [N, K / block values * block bytes] uint8 of
-    GGML type `ggml_type` (blocks of 32 values, or a K-quant's super-blocks of 256), in the row order of the dequantized HF tensor (q/k unpermuted as it is)."""
+    GGML type `ggml_type` (blocks of 32 values, or a K-quant's super-blocks of 256), in the row
+    order of the dequantized HF tensor (q/k unpermuted as it is)."""
     ggml_type: int
     k: int
     data: torch.Tensor

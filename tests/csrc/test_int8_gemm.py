@@ -172,7 +172,8 @@ def test_parts_of_several_types_are_their_parts_side_by_side(kvsentry_ops):
     assert parts.kernel and parts.blocks.dim() == 1 and parts.path.endswith("on q4_k+q6_k+q5_0 blocks")
     for m in (1, 5, 33):
         x = torch.randn(m, k)
-        want = torch.cat([int8_gemm_reference(x, r.data, r.ggml_type, b) for r, b in zip(rows, bias.split([37, 16, 21]))], 1)
+        want = torch.cat([int8_gemm_reference(x, r.data, r.ggml_type, b)
+                          for r, b in zip(rows, bias.split([37, 16, 21]))], 1)
         assert torch.equal(parts(x), want), m
         assert torch.equal(kvsentry_ops.int8_gemm_parts(x, parts.blocks, None, 74),
                            torch.cat([int8_gemm_reference(x, r.data, r.ggml_type) for r in rows], 1))
