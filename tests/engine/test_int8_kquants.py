@@ -70,10 +70,11 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypat
     assert all(p.int8 is not None and p.int8.kernel for p in linears)
     assert all(p.panels is None and p.wide_panels is None and not p.onednn for p in linears)
     paths = linear_paths(llm.engine.runner.model)
-    assert paths["linear.lm_head"] == "int8_gemm(cpu_kernel(avx512_vnni)) on q6_k blocks"
-    assert paths["linear.o_proj"] == "int8_gemm(cpu_kernel(avx512_vnni)) on q5_0 blocks"
+    kernel = "int8_gemm(cpu_kernel("  # then the kernels this CPU picks from
+    assert paths["linear.lm_head"].startswith(kernel) and paths["linear.lm_head"].endswith(") on q6_k blocks")
+    assert paths["linear.o_proj"].startswith(kernel) and paths["linear.o_proj"].endswith(") on q5_0 blocks")
     qkv = [layer.self_attn.qkv.int8 for layer in llm.engine.runner.model.model.layers]
-    assert qkv[0].path == "int8_gemm(cpu_kernel(avx512_vnni)) on q4_k+q6_k blocks"  # q, k Q4_K; v Q6_K
+    assert qkv[0].path.endswith(") on q4_k+q6_k blocks")  # q, k Q4_K; v Q6_K
     assert qkv[1].ggml_type == Q.Q4_K
     got = llm.generate(PROMPTS, PARAMS)
     llm.close()
