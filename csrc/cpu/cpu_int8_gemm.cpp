@@ -362,11 +362,12 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
         dw = _mm512_mul_round_ps(dw, six_bits(kQ4KScales + kGroup * (b % 8)), kRound);
         mw = _mm512_mul_round_ps(dmin, six_bits(kQ4KMins + kGroup * (b % 8)), kRound);
       }
-      __m512i scale_a = _mm512_setzero_si512(), scale_b = _mm512_setzero_si512();
+      __m512 scale_a = _mm512_setzero_ps(), scale_b = _mm512_setzero_ps();
       if (kType == kQ6_K) {
         const uint8_t* scales = block + kQ6KScales + 2 * kGroup * (b % 8);
-        scale_a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-        scale_b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + kGroup)));
+        scale_a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))));
+        scale_b = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + kGroup))));
       }
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -376,16 +377,20 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
         if (kType == kQ4_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * rows[r].sum[b]));
         if (kType == kQ5_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * rows[r].sum[b]));
         if (kType == kQ8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * rows[r].sum[b]));
+        __m512 products;
         if (kType == kQ6_K) {
-          // sa * isum_a + sb * isum_b, exact in int32 (below 2^24).
+          // sa * isum_a + sb * isum_b: integers below 2^24 at every step, so float32 holds each
+          // exactly (a fused multiply-add too) and it is the reference's integer.
           const int32_t half = rows[r].half[b];
           const __m512i a = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half));
           const __m512i bsum =
               _mm512_sub_epi32(isum[kHalves - 1][g][r], _mm512_set1_epi32(32 * (rows[r].sum[b] - half)));
-          dot = _mm512_add_epi32(_mm512_mullo_epi32(a, scale_a), _mm512_mullo_epi32(bsum, scale_b));
+          products = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsum), scale_b, _mm512_mul_ps(_mm512_cvtepi32_ps(a), scale_a));
+        } else {
+          products = _mm512_cvtepi32_ps(dot);
         }
         const __m512 scale = _mm512_mul_round_ps(dw, _mm512_set1_ps(rows[r].dx[b]), kRound);
-        __m512 term = _mm512_mul_round_ps(scale, _mm512_cvtepi32_ps(dot), kRound);
+        __m512 term = _mm512_mul_round_ps(scale, products, kRound);
         if (kType == kQ4_1) term = _mm512_add_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
         if (kType == kQ4_K) {
           term = _mm512_sub_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
