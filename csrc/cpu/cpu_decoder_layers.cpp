@@ -68,6 +68,7 @@ struct LayerOps {
   c10::TypedOperatorHandle<PanelSig> panel_gemm;      // bf16 panels
   c10::TypedOperatorHandle<PanelSig> f32_panel_gemm;  // float32 panels
   c10::TypedOperatorHandle<PanelSig> int8_gemm;       // GGUF blocks with int8 activations
+  c10::TypedOperatorHandle<PanelSig> int8_gemm_parts;  // the same, in parts of several GGML types
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
       add_rms_norm;
@@ -94,6 +95,7 @@ struct LayerOps {
         panel_gemm(find("kvsentry::bf16_gemm").typed<PanelSig>()),
         f32_panel_gemm(find("kvsentry::f32_gemm").typed<PanelSig>()),
         int8_gemm(find("kvsentry::int8_gemm").typed<PanelSig>()),
+        int8_gemm_parts(find("kvsentry::int8_gemm_parts").typed<PanelSig>()),
         rms_norm(find("kvsentry::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double)>()),
         add_rms_norm(find("kvsentry::add_rms_norm")
                          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>()),
@@ -122,11 +124,17 @@ struct LayerOps {
   // are uint8, and either GEMM takes them); else
   // mkldnn._linear_pointwise(x, weight, bias, "none", [None], "").
   Tensor linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t out_features) const {
-    // cpu_int8_gemm.cpp's packed blocks: uint8 [groups, blocks, 288 | 320 | 544] (Q4_0, Q4_1, Q8_0),
-    // never a panel block's size (cpu_quant_panels.h: 1280, 2176).
-    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte && weight.dim() == 3 &&
-        (weight.size(2) == 288 || weight.size(2) == 320 || weight.size(2) == 544)) {
+    // cpu_int8_gemm.cpp's packed blocks: uint8 [groups, blocks, 288 | 320 | 352 | 544 | 2368 | 3360]
+    // (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), never a panel block's size (cpu_quant_panels.h: 1280, 2176).
+    const int64_t int8_bytes = weight.dim() == 3 ? weight.size(2) : 0;
+    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte &&
+        (int8_bytes == 288 || int8_bytes == 320 || int8_bytes == 352 || int8_bytes == 544 || int8_bytes == 2368 ||
+         int8_bytes == 3360)) {
       return int8_gemm.call(x, weight, bias, out_features);
+    }
+    // int8_gemm_parts' vector of parts (a q|k|v of several GGML types).
+    if (!weight.is_mkldnn() && weight.scalar_type() == at::kByte && weight.dim() == 1) {
+      return int8_gemm_parts.call(x, weight, bias, out_features);
     }
     if (!weight.is_mkldnn()) {
       return (x.scalar_type() == at::kFloat ? f32_panel_gemm : panel_gemm).call(x, weight, bias, out_features);

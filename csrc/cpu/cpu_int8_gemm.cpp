@@ -1,15 +1,21 @@
 // The int8-activation GEMM of GGUF blocks (AVX512-VNNI): y = x W^T with x quantized per block of
-// 32 values to int8 (a float32 scale per block, and its sum for Q4_1's minimum), multiplied with
-// `vpdpbusd` against the weight's own Q4_0 / Q4_1 / Q8_0 blocks. The arithmetic, and the order
-// of every float32 rounding, is engine/models/int8_reference.py's (tests/csrc/test_int8_gemm.py
-// holds them to the same bits); each output is summed over K's blocks in order, the same way
-// whatever batch its row is in.
+// 32 values to int8 (a float32 scale per block, and its sum for Q4_1's and Q4_K's minima), multiplied
+// with `vpdpbusd` against the weight's own Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks. The
+// arithmetic, and the order of every float32 rounding, is engine/models/int8_reference.py's
+// (tests/csrc/test_int8_gemm.py holds them to the same bits); each output is summed over K's
+// blocks in order, the same way whatever batch its row is in.
 //
 //   packed = torch.ops.kvsentry.int8_gemm_pack(raw, type, k)
-//            raw [N, K / 32 * block bytes] uint8: a GGUF tensor's rows of Q4_0 (type 2),
-//            Q4_1 (3) or Q8_0 (8) -> [ceil(N / 16), K / 32, block bytes'] uint8
+//            raw [N, K / values * block bytes] uint8: a GGUF tensor's rows of Q4_0 (type 2),
+//            Q4_1 (3), Q5_0 (6), Q8_0 (8) (blocks of 32 values), Q4_K (12) or Q6_K (14) (super-blocks
+//            of 256) -> [ceil(N / 16), K / values, block bytes'] uint8
 //   y = torch.ops.kvsentry.int8_gemm(x [M, K] float32 or bf16, packed, bias [N] or None, N) -> [M, N]
 //   torch.ops.kvsentry.int8_gemm_supported() -> bool  built with AVX-512 and the CPU has AVX512-VNNI
+//   y = torch.ops.kvsentry.int8_gemm_parts(x, parts, bias [N] or None, N) -> [M, N]: a linear whose
+//            outputs come in parts of different types (a q|k|v whose v is another format), each
+//            int8_gemm's: parts uint8 [bytes], a header of int64 (the count P, then per part its
+//            N_p and its packed shape [groups, blocks, block bytes']) zero-padded to a multiple of
+//            64 bytes, then each part's packed blocks in order (engine/models/int8_linear.py).
 //
 // Packed layout: one block per 32 of K for a group of 16 outputs: the 16 scales as float16
 // (Q4_1: then the 16 minima), then the quants as 64-byte vectors whose byte 4r + j belongs to
@@ -17,10 +23,19 @@
 // nibble K = 4c + j, its high nibble K = 16 + 4c + j); Q8_0 8 vectors, vector c the int8 at
 // K = 4c + j plus 128 (vpdpbusd multiplies unsigned by signed bytes). The same bytes per weight
 // as the file (the group's padding outputs aside): 0.5625 (Q4_0), 0.625 (Q4_1), 1.0625 (Q8_0).
+// Q5_0 adds a fifth vector of the values' fifth bits (byte 4r + j: bit c that of K = 4c + j, bit
+// 4 + c that of K = 16 + 4c + j), 0.6875 bytes per weight as the file. The K-quants pack a
+// super-block of 256 K: Q4_K the 16 d, then the 16 dmin (float16), the 8 sub-blocks' 6-bit scales
+// (byte 16 j + r: sub-block j, output r), their 8 minima, then each sub-block's 32 K as Q4_1's 4
+// vectors: 2368 bytes for 4096 weights, 0.578 per weight (the file's 0.5625). Q6_K: the 16 d, the
+// 16 sub-blocks of 16's int8 scales (byte 16 s + r), then per 32 K the low 4 bits as Q4_0's 4
+// vectors and the top 2 bits as two more (byte 4r + j: bits 2c, 2c + 1 those of K = 4c + j in the
+// first, of K = 16 + 4c + j in the second): 3360 bytes, 0.8203 per weight, as the file.
 // One vpdpbusd then adds 4 products for 16 outputs; a tile of 2 groups x 4 batch rows reuses
 // each weight vector 4 times and each activation broadcast twice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -39,29 +54,132 @@ namespace {
 
 using at::Tensor;
 constexpr const char* kOp = "kvsentry::int8_gemm";
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;  // GGML type ids
 constexpr int64_t kBlockK = 32;
 constexpr int64_t kGroup = 16;  // outputs per packed group: one int32 lane each
+// Packed K-quant super-block: where its parts start (see the layout above).
+constexpr int64_t kQ4KScales = 64, kQ4KMins = 192, kQ4KQuants = 320, kQ4KBytes = 320 + 8 * 256;
+constexpr int64_t kQ6KScales = 32, kQ6KQuants = 288, kQ6KBlock = 384, kQ6KBytes = 288 + 8 * 384;
 
-int64_t gguf_bytes(int64_t type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0; }
+int64_t gguf_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+int64_t block_values(int64_t type) { return type == kQ4_K || type == kQ6_K ? 256 : kBlockK; }
 int64_t scale_bytes(int64_t type) { return type == kQ4_1 ? 4 * kGroup : 2 * kGroup; }
-int64_t quant_vectors(int64_t type) { return type == kQ8_0 ? 8 : 4; }
-int64_t packed_bytes(int64_t type) { return scale_bytes(type) + 64 * quant_vectors(type); }
+int64_t quant_vectors(int64_t type) { return type == kQ8_0 ? 8 : type == kQ5_0 ? 5 : 4; }
+int64_t packed_bytes(int64_t type) {
+  if (type == kQ4_K) return kQ4KBytes;
+  if (type == kQ6_K) return kQ6KBytes;
+  return scale_bytes(type) + 64 * quant_vectors(type);
+}
 int64_t type_of(int64_t bytes) {
-  for (int64_t type : {kQ4_0, kQ4_1, kQ8_0}) {
+  for (int64_t type : {kQ4_0, kQ4_1, kQ5_0, kQ8_0, kQ4_K, kQ6_K}) {
     if (packed_bytes(type) == bytes) return type;
   }
   return -1;
 }
 
+// 32 values' low 4 bits (v[0-31]) into output r of 4 nibble vectors at q: vector c's byte
+// 4r + j holds K = 4c + j in its low nibble, K = 16 + 4c + j in its high one.
+void place_nibbles(const uint8_t* v, int64_t r, uint8_t* q) {
+  for (int64_t k = 0; k < 16; ++k) {
+    q[(k / 4) * 64 + 4 * r + k % 4] = static_cast<uint8_t>((v[k] & 0x0F) | ((v[16 + k] & 0x0F) << 4));
+  }
+}
+
+// 32 values' bits above the low 4, `width` of them (Q5_0: 1, Q6_K: 2), into output r of the
+// vectors at h: for width 1 one vector (byte 4r + j: bit c from K = 4c + j, bit 4 + c from
+// K = 16 + 4c + j); for width 2 two (bits 2c, 2c + 1: K = 4c + j, then K = 16 + 4c + j).
+void place_high_bits(const uint8_t* v, int64_t r, int width, uint8_t* h) {
+  for (int64_t c = 0; c < 4; ++c) {
+    for (int64_t j = 0; j < 4; ++j) {
+      const int lo = v[4 * c + j] >> 4, hi = v[16 + 4 * c + j] >> 4;
+      if (width == 1) {
+        h[4 * r + j] |= static_cast<uint8_t>((lo << c) | (hi << (4 + c)));
+      } else {
+        h[4 * r + j] |= static_cast<uint8_t>(lo << (2 * c));
+        h[64 + 4 * r + j] |= static_cast<uint8_t>(hi << (2 * c));
+      }
+    }
+  }
+}
+
+// A Q4_K super-block's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+void q4_k_scale_min(int64_t j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = static_cast<uint8_t>((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+// A Q4_K super-block into output r of a packed one.
+void place_q4_k(const uint8_t* src, int64_t r, uint8_t* dst) {
+  std::memcpy(dst + 2 * r, src, 2);                // d
+  std::memcpy(dst + 2 * kGroup + 2 * r, src + 2, 2);  // dmin
+  for (int64_t j = 0; j < 8; ++j) {
+    q4_k_scale_min(j, src + 4, dst + kQ4KScales + kGroup * j + r, dst + kQ4KMins + kGroup * j + r);
+    // Sub-block j: the low (j even) or high nibbles of the 32 bytes 32 (j / 2) onwards.
+    uint8_t v[32];
+    for (int64_t i = 0; i < 32; ++i) v[i] = static_cast<uint8_t>((src[16 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F);
+    place_nibbles(v, r, dst + kQ4KQuants + 256 * j);
+  }
+}
+
+// A Q6_K super-block into output r of a packed one: its values 0-63 (ggml's dequantize_row_q6_K
+// before the - 32) as 4 low bits and 2 high ones.
+void place_q6_k(const uint8_t* src, int64_t r, uint8_t* dst) {
+  const uint8_t *ql = src, *qh = src + 128;
+  std::memcpy(dst + 2 * r, src + 208, 2);  // d
+  for (int64_t s = 0; s < 16; ++s) dst[kQ6KScales + kGroup * s + r] = src[192 + s];
+  uint8_t v[256];
+  for (int64_t n = 0; n < 2; ++n) {
+    for (int64_t l = 0; l < 32; ++l) {
+      const uint8_t a = ql[64 * n + l], b = ql[64 * n + 32 + l], h = qh[32 * n + l];
+      v[128 * n + l] = static_cast<uint8_t>((a & 0x0F) | ((h & 3) << 4));
+      v[128 * n + 32 + l] = static_cast<uint8_t>((b & 0x0F) | (((h >> 2) & 3) << 4));
+      v[128 * n + 64 + l] = static_cast<uint8_t>((a >> 4) | (((h >> 4) & 3) << 4));
+      v[128 * n + 96 + l] = static_cast<uint8_t>((b >> 4) | (((h >> 6) & 3) << 4));
+    }
+  }
+  for (int64_t j = 0; j < 8; ++j) {
+    uint8_t* block = dst + kQ6KQuants + kQ6KBlock * j;
+    place_nibbles(v + 32 * j, r, block);
+    place_high_bits(v + 32 * j, r, 2, block + 256);
+  }
+}
+
 // One GGUF block (a row's 32 K) into output r of a packed block.
 void place(const uint8_t* src, int64_t type, int64_t r, uint8_t* dst) {
+  if (type == kQ4_K) return place_q4_k(src, r, dst);
+  if (type == kQ6_K) return place_q6_k(src, r, dst);
   std::memcpy(dst + 2 * r, src, 2);  // the scale
   if (type == kQ4_1) std::memcpy(dst + 2 * kGroup + 2 * r, src + 2, 2);  // the minimum
   uint8_t* q = dst + scale_bytes(type);
   const uint8_t* qs = src + (type == kQ4_1 ? 4 : 2);
   if (type == kQ8_0) {
     for (int64_t k = 0; k < kBlockK; ++k) q[(k / 4) * 64 + 4 * r + k % 4] = static_cast<uint8_t>(qs[k] ^ 0x80);
+  } else if (type == kQ5_0) {
+    // qh (little-endian: bit k is K's fifth bit), then the nibbles as Q4_0's.
+    uint32_t qh;
+    std::memcpy(&qh, src + 2, 4);
+    uint8_t v[32];
+    for (int64_t k = 0; k < 16; ++k) {
+      v[k] = static_cast<uint8_t>((src[6 + k] & 0x0F) | (((qh >> k) & 1) << 4));
+      v[16 + k] = static_cast<uint8_t>((src[6 + k] >> 4) | (((qh >> (16 + k)) & 1) << 4));
+    }
+    place_nibbles(v, r, q);
+    place_high_bits(v, r, 1, q + 256);
   } else {
     for (int64_t k = 0; k < 16; ++k) q[(k / 4) * 64 + 4 * r + k % 4] = qs[k];
   }
@@ -69,9 +187,11 @@ void place(const uint8_t* src, int64_t type, int64_t r, uint8_t* dst) {
 
 Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
   const int64_t bytes = gguf_bytes(type);
-  TORCH_CHECK(bytes > 0, kOp, "_pack: GGML type ", type, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
-  TORCH_CHECK(k > 0 && k % kBlockK == 0, kOp, "_pack: K = ", k, " is not whole blocks of 32");
-  const int64_t blocks = k / kBlockK;
+  TORCH_CHECK(bytes > 0, kOp, "_pack: GGML type ", type,
+              " is not Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), Q4_K (12) or Q6_K (14)");
+  const int64_t values = block_values(type);
+  TORCH_CHECK(k > 0 && k % values == 0, kOp, "_pack: K = ", k, " is not whole blocks of ", values);
+  const int64_t blocks = k / values;
   TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte && raw_in.device().is_cpu() &&
                   raw_in.size(1) == blocks * bytes,
               kOp, "_pack: raw must be CPU uint8 [N, ", blocks * bytes, "], got ", raw_in.sizes());
@@ -101,12 +221,14 @@ bool supported() {
 }
 
 // The activations of one row, quantized per block: int8 quants, scale dx, the quants' sum and
-// sx = dx * sum (as int8_reference.quantize_activations).
+// sx = dx * sum (as int8_reference.quantize_activations), and the sum of the first 16 (Q6_K's
+// sub-blocks of 16).
 struct QuantRow {
   int8_t* q;
   float* dx;
   int32_t* sum;
   float* sx;
+  int32_t* half;
 };
 
 KVS_INT8_TARGET void quantize_row(const float* x, int64_t blocks, QuantRow out) {
@@ -126,6 +248,7 @@ KVS_INT8_TARGET void quantize_row(const float* x, int64_t blocks, QuantRow out) 
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     out.dx[b] = dx;
     out.sum[b] = sum;
+    out.half[b] = _mm512_reduce_add_epi32(qlo);
     out.sx[b] = dx * static_cast<float>(sum);
   }
 }
@@ -137,8 +260,12 @@ constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 template <int64_t kType, int G, int R>
 KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, const QuantRow* rows, const float* bias,
                           float* const* out, int valid) {
-  constexpr int64_t kBytes = kType == kQ4_1 ? 320 : kType == kQ4_0 ? 288 : 544;
+  constexpr bool kSuper = kType == kQ4_K || kType == kQ6_K;  // super-blocks of 8 blocks of 32
+  constexpr int64_t kBytes = kType == kQ4_K ? kQ4KBytes : kType == kQ6_K ? kQ6KBytes
+                             : kType == kQ4_1 ? 320 : kType == kQ4_0 ? 288 : kType == kQ5_0 ? 352 : 544;
   constexpr int64_t kScales = kType == kQ4_1 ? 64 : 32;
+  // Q6_K sums a block's two halves (its two sub-blocks of 16) apart: isum for K 0-15, isum_b for 16-31.
+  constexpr int kHalves = kType == kQ6_K ? 2 : 1;
   __m512 acc[G][R];
   #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
@@ -147,36 +274,63 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i isum[G][R];
+    // Where block b's parts start in group 0: its packed block (the super-block for K-quants) and quants.
+    const int64_t at = kSuper ? (b / 8) * kBytes : b * kBytes;
+    const int64_t quants = kType == kQ4_K ? at + kQ4KQuants + 256 * (b % 8)
+                           : kType == kQ6_K ? at + kQ6KQuants + kQ6KBlock * (b % 8) : at + kScales;
+    __m512i isum[kHalves][G][R];
     #pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
+    for (int h = 0; h < kHalves; ++h) {
       #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) isum[g][r] = _mm512_setzero_si512();
+      for (int g = 0; g < G; ++g) {
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[h][g][r] = _mm512_setzero_si512();
+      }
     }
     if (kType == kQ8_0) {
       #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         __m512i wv[G];
         #pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(w + g * stride + b * kBytes + kScales + 64 * c);
+        for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(w + g * stride + quants + 64 * c);
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           int32_t x4;
           std::memcpy(&x4, rows[r].q + 32 * b + 4 * c, 4);
           const __m512i xv = _mm512_set1_epi32(x4);
           #pragma GCC unroll 8
-          for (int g = 0; g < G; ++g) isum[g][r] = _mm512_dpbusd_epi32(isum[g][r], wv[g], xv);
+          for (int g = 0; g < G; ++g) isum[0][g][r] = _mm512_dpbusd_epi32(isum[0][g][r], wv[g], xv);
         }
       }
     } else {
+      __m512i top[G], top_b[G];  // Q5_0's fifth bits; Q6_K's top two bits (K 0-15, K 16-31)
+      #pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        if (kType == kQ5_0 || kType == kQ6_K) top[g] = _mm512_loadu_si512(w + g * stride + quants + 256);
+        if (kType == kQ6_K) top_b[g] = _mm512_loadu_si512(w + g * stride + quants + 320);
+      }
       #pragma GCC unroll 8
       for (int c = 0; c < 4; ++c) {
         __m512i lo[G], hi[G];
         #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) {
-          const __m512i v = _mm512_loadu_si512(w + g * stride + b * kBytes + kScales + 64 * c);
+          const __m512i v = _mm512_loadu_si512(w + g * stride + quants + 64 * c);
           lo[g] = _mm512_and_si512(v, low);
           hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          // The bits above the nibble into bit 4 (Q5_0) or bits 4-5 (Q6_K). Shifts are of 16-bit
+          // lanes: the bits they carry across a byte's edge land outside the mask.
+          if (kType == kQ5_0) {
+            const __m512i five = _mm512_set1_epi8(0x10);
+            lo[g] = _mm512_or_si512(lo[g], _mm512_and_si512(_mm512_slli_epi16(top[g], 4 - c), five));
+            hi[g] = _mm512_or_si512(hi[g], _mm512_and_si512(_mm512_srli_epi16(top[g], c), five));
+          }
+          if (kType == kQ6_K) {
+            const __m512i six = _mm512_set1_epi8(0x30);
+            const __m512i a = c < 3 ? _mm512_slli_epi16(top[g], 4 - 2 * c) : _mm512_srli_epi16(top[g], 2);
+            const __m512i bb = c < 3 ? _mm512_slli_epi16(top_b[g], 4 - 2 * c) : _mm512_srli_epi16(top_b[g], 2);
+            lo[g] = _mm512_or_si512(lo[g], _mm512_and_si512(a, six));
+            hi[g] = _mm512_or_si512(hi[g], _mm512_and_si512(bb, six));
+          }
         }
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -186,27 +340,61 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
           const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
           #pragma GCC unroll 8
           for (int g = 0; g < G; ++g) {
-            isum[g][r] = _mm512_dpbusd_epi32(isum[g][r], lo[g], vl);
-            isum[g][r] = _mm512_dpbusd_epi32(isum[g][r], hi[g], vh);
+            isum[0][g][r] = _mm512_dpbusd_epi32(isum[0][g][r], lo[g], vl);
+            isum[kHalves - 1][g][r] = _mm512_dpbusd_epi32(isum[kHalves - 1][g][r], hi[g], vh);
           }
         }
       }
     }
     #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      const uint8_t* block = w + g * stride + b * kBytes;
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+      const uint8_t* block = w + g * stride + at;
+      __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
       __m512 mw = _mm512_setzero_ps();
       if (kType == kQ4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+      if (kType == kQ4_K) {
+        // dw = d * sc[j], mw = dmin * m[j]: one rounding each (the integers are exact in float32).
+        const auto six_bits = [&](int64_t offset) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset));
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+        };
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+        dw = _mm512_mul_round_ps(dw, six_bits(kQ4KScales + kGroup * (b % 8)), kRound);
+        mw = _mm512_mul_round_ps(dmin, six_bits(kQ4KMins + kGroup * (b % 8)), kRound);
+      }
+      __m512 scale_a = _mm512_setzero_ps(), scale_b = _mm512_setzero_ps();
+      if (kType == kQ6_K) {
+        const uint8_t* scales = block + kQ6KScales + 2 * kGroup * (b % 8);
+        scale_a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))));
+        scale_b = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + kGroup))));
+      }
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        __m512i dot = isum[g][r];
-        // Unsigned weights back to their signed values: Q4_0 nibble - 8, Q8_0 byte - 128 (exact).
+        __m512i dot = isum[0][g][r];
+        // Unsigned weights back to their signed values: Q4_0 nibble - 8, Q5_0 - 16, Q8_0 byte - 128,
+        // Q6_K - 32 (exact).
         if (kType == kQ4_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * rows[r].sum[b]));
+        if (kType == kQ5_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * rows[r].sum[b]));
         if (kType == kQ8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * rows[r].sum[b]));
+        __m512 products;
+        if (kType == kQ6_K) {
+          // sa * isum_a + sb * isum_b: integers below 2^24 at every step, so float32 holds each
+          // exactly (a fused multiply-add too) and it is the reference's integer.
+          const int32_t half = rows[r].half[b];
+          const __m512i a = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half));
+          const __m512i bsum =
+              _mm512_sub_epi32(isum[kHalves - 1][g][r], _mm512_set1_epi32(32 * (rows[r].sum[b] - half)));
+          products = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsum), scale_b, _mm512_mul_ps(_mm512_cvtepi32_ps(a), scale_a));
+        } else {
+          products = _mm512_cvtepi32_ps(dot);
+        }
         const __m512 scale = _mm512_mul_round_ps(dw, _mm512_set1_ps(rows[r].dx[b]), kRound);
-        __m512 term = _mm512_mul_round_ps(scale, _mm512_cvtepi32_ps(dot), kRound);
+        __m512 term = _mm512_mul_round_ps(scale, products, kRound);
         if (kType == kQ4_1) term = _mm512_add_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
+        if (kType == kQ4_K) {
+          term = _mm512_sub_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(rows[r].sx[b]), kRound), kRound);
+        }
         acc[g][r] = _mm512_add_round_ps(acc[g][r], term, kRound);
       }
     }
@@ -245,7 +433,7 @@ KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, c
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
                const float* bias, float* y, int64_t n) {
-  const int64_t stride = blocks * packed_bytes(kType);
+  const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
   const int64_t pairs = (groups + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -267,7 +455,9 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   type_of(packed.size(2)) >= 0,
               kOp, ": packed must come from int8_gemm_pack");
-  const int64_t type = type_of(packed.size(2)), groups = packed.size(0), blocks = packed.size(1);
+  // blocks: of 32 K (a K-quant's packed super-block holds 8).
+  const int64_t type = type_of(packed.size(2)), groups = packed.size(0);
+  const int64_t blocks = packed.size(1) * (block_values(type) / kBlockK);
   const int64_t k = blocks * kBlockK;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
@@ -287,12 +477,13 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     // [M, K] int8 quants, then [M, blocks] dx, sum, sx.
     std::vector<int8_t> q(static_cast<size_t>(m * k));
     std::vector<float> dx(static_cast<size_t>(m * blocks)), sx(dx.size());
-    std::vector<int32_t> sum(dx.size());
+    std::vector<int32_t> sum(dx.size()), half(dx.size());
     std::vector<QuantRow> rows(static_cast<size_t>(m));
     const float* xs = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        rows[r] = QuantRow{q.data() + r * k, dx.data() + r * blocks, sum.data() + r * blocks, sx.data() + r * blocks};
+        rows[r] = QuantRow{q.data() + r * k, dx.data() + r * blocks, sum.data() + r * blocks, sx.data() + r * blocks,
+                           half.data() + r * blocks};
         quantize_row(xs + r * k, blocks, rows[r]);
       }
     });
@@ -302,9 +493,43 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     if (type == kQ4_0) gemm_type<kQ4_0>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ4_1) gemm_type<kQ4_1>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ8_0) gemm_type<kQ8_0>(w, groups, blocks, rows.data(), m, b, out, n);
+    if (type == kQ5_0) gemm_type<kQ5_0>(w, groups, blocks, rows.data(), m, b, out, n);
+    if (type == kQ4_K) gemm_type<kQ4_K>(w, groups, blocks, rows.data(), m, b, out, n);
+    if (type == kQ6_K) gemm_type<kQ6_K>(w, groups, blocks, rows.data(), m, b, out, n);
   }
 #endif
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tensor>& bias, int64_t n) {
+  TORCH_CHECK(parts.dim() == 1 && parts.scalar_type() == at::kByte && parts.is_contiguous() && parts.numel() >= 8,
+              kOp, "_parts: parts must be a uint8 vector from int8_linear's Int8Parts");
+  const uint8_t* bytes = parts.data_ptr<uint8_t>();
+  const auto field = [&](int64_t i) {
+    int64_t value;
+    std::memcpy(&value, bytes + 8 * i, 8);
+    return value;
+  };
+  const int64_t count = field(0);
+  TORCH_CHECK(count > 0 && 8 * (1 + 4 * count) <= parts.numel(), kOp, "_parts: a header of ", count, " parts");
+  int64_t offset = (8 * (1 + 4 * count) + 63) / 64 * 64, n0 = 0;
+  std::vector<Tensor> outs;
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t np = field(1 + 4 * p), groups = field(2 + 4 * p), blocks = field(3 + 4 * p), size = field(4 + 4 * p);
+    const int64_t length = groups * blocks * size;
+    TORCH_CHECK(np > 0 && groups > 0 && blocks > 0 && size > 0 && offset + length <= parts.numel(), kOp,
+                "_parts: part ", p, " does not fit");
+    std::optional<Tensor> part_bias;
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, "_parts: bias must be [", n, "]");
+      part_bias = bias->narrow(0, n0, np);
+    }
+    outs.push_back(gemm(x, parts.narrow(0, offset, length).view({groups, blocks, size}), part_bias, np));
+    offset += length;
+    n0 += np;
+  }
+  TORCH_CHECK(n0 == n && offset == parts.numel(), kOp, "_parts: the parts hold ", n0, " outputs, not ", n);
+  return at::cat(outs, 1);
 }
 
 }  // namespace
@@ -313,9 +538,11 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("int8_gemm_pack(Tensor raw, int type, int k) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("int8_gemm_supported() -> bool", &supported);
+  m.def("int8_gemm_parts(Tensor x, Tensor parts, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("int8_gemm_pack", &pack);
   m.impl("int8_gemm", &gemm);
+  m.impl("int8_gemm_parts", &gemm_parts);
 }

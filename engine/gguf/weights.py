@@ -67,14 +67,16 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 Wants = Callable[[str], bool]
 # GGML types (Q4_1, Q8_0) whose blocks the CPU GEMMs multiply by directly (csrc/cpu/cpu_quant_panels.h).
 PANEL_TYPES = frozenset({3, 8})
-# GGML types (Q4_0, Q4_1, Q8_0) the int8-activation GEMM multiplies by (engine/models/int8_reference.py).
-INT8_TYPES = frozenset({2, 3, 8})
+# GGML types (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) the int8-activation GEMM multiplies by
+# (engine/models/int8_reference.py; this package imports nothing of the models').
+INT8_TYPES = frozenset({2, 3, 6, 8, 12, 14})
 
 
 @dataclass(frozen=True)
 class QuantRows:
-    """A 2-D GGUF tensor's rows as stored: `data` [N, K / 32 * block bytes] uint8 of GGML type
-    `ggml_type`, in the row order of the dequantized HF tensor (q/k unpermuted as it is)."""
+    """A 2-D GGUF tensor's rows as stored: `data` [N, K / block values * block bytes] uint8 of
+    GGML type `ggml_type` (blocks of 32 values, or a K-quant's super-blocks of 256), in the row
+    order of the dequantized HF tensor (q/k unpermuted as it is)."""
     ggml_type: int
     k: int
     data: torch.Tensor
@@ -84,7 +86,9 @@ class QuantRows:
 
 
 def quant_rows(gguf: GGUFFile, info: TensorInfo) -> QuantRows | None:
-    """A 2-D tensor's blocks, copied out of the map, where its type is one of PANEL_TYPES or INT8_TYPES."""
+    """A 2-D tensor's blocks, copied out of the map, where its type is one of PANEL_TYPES or
+    INT8_TYPES and its rows are whole blocks (a K-quant's row of K not a multiple of 256 is not:
+    None, and the tensor is used dequantized)."""
     if len(info.shape) != 2 or info.ggml_type not in PANEL_TYPES | INT8_TYPES:
         return None
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

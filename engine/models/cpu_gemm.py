@@ -70,7 +70,8 @@ import logging
 
 from engine import envs
 from engine.gguf.weights import PANEL_TYPES, QuantRows
-from engine.models.int8_linear import Int8Blocks, takes as int8_takes
+from engine.models.int8_linear import Int8Blocks, Int8Parts, blocks_of as int8_blocks_of, takes as int8_takes
+from engine.models.int8_reference import weight_blocks
 from engine.ops import cpu_ops, registry
 from engine.ops.registry import ONEDNN
 from engine.memory.huge_pages import to_huge_pages
@@ -186,18 +187,21 @@ class PackedLinear:
     the GEMMs dequantize as they go: the same products of the same values, from a third to a
     sixth of the bytes. Immutable after construction."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: QuantRows | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 rows: QuantRows | tuple[QuantRows, ...] | None = None):
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         # GGUF blocks multiplied with int8 activations (engine/models/int8_linear.py): the only
         # copy of the weight, every size.
-        self.int8: Int8Blocks | None = None
+        self.int8: Int8Blocks | Int8Parts | None = None
         if int8_takes(rows, self.out_features, self.in_features):
-            self.int8 = Int8Blocks(rows, self.bias)
+            self.int8 = int8_blocks_of(rows, self.bias)
             self.panels = self.wide_panels = None
             self.onednn, self.panel_max_rows, self.path = False, None, self.int8.path
             return
+        if not isinstance(rows, QuantRows):
+            rows = None  # parts of several types serve the int8 path only
         panels = panels_supported(weight)
         # The GGUF blocks as panels, unless no panels run here (switched off: panel_max_rows 0).
         quant = quant_panels(weight, rows) if panels and panel_max_rows(weight.dtype) != 0 else None
@@ -272,6 +276,20 @@ class PackedLinear:
             *x.shape[:-1], self.out_features)
 
 
+def dense_weight(layer: torch.nn.Linear, rows: QuantRows | None) -> torch.Tensor:
+    """The layer's weight [out, in]; where the loader left it shape-only (its blocks were to be
+    the weight, engine/worker/loader.py) but it is fused with a part that has no blocks, the
+    blocks' dequantized values (ggml's, bit for bit: engine/models/int8_reference.py)."""
+    weight = layer.weight
+    if rows is None or weight.numel() == 0 or weight.stride() != (0, 0):
+        return weight
+    quants, scales, minima = weight_blocks(rows.data, rows.ggml_type, rows.k)
+    values = scales[..., None] * quants
+    if minima is not None:
+        values = values + minima[..., None]
+    return values.reshape(weight.shape).to(weight.dtype)
+
+
 def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
     """One PackedLinear computing the concatenated outputs of `layers` (same input):
     one pass over the activations for q|k|v or gate|up (their GGUF blocks too, where all have
@@ -281,11 +299,13 @@ def fused_linear(*layers: torch.nn.Linear) -> PackedLinear:
     if all(q is not None for q in quant) and len({(q.ggml_type, q.k) for q in quant}) == 1:
         rows = QuantRows(quant[0].ggml_type, quant[0].k, torch.cat([q.data for q in quant]),
                          all(q.int8_activations for q in quant))
+    elif all(q is not None and q.int8_activations for q in quant):
+        rows = tuple(quant)  # blocks of several types: parts on the int8 path (int8_linear.Int8Parts), if it takes them
     out_features = sum(layer.out_features for layer in layers)
     if int8_takes(rows, out_features, layers[0].in_features):  # the blocks are the weight: its shape will do
         weight = layers[0].weight.new_zeros(()).expand(out_features, layers[0].in_features)
     else:
-        weight = torch.cat([layer.weight for layer in layers])
+        weight = torch.cat([dense_weight(layer, q) for layer, q in zip(layers, quant)])
     for layer in layers:
         layer.gguf_rows = None
     biases = [layer.bias for layer in layers]

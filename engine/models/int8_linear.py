@@ -1,5 +1,5 @@
-"""GGUF linears with int8 activations: the weight stays in its Q4_0 / Q4_1 / Q8_0 blocks (repacked
-once for csrc/cpu/cpu_int8_gemm.cpp, no dense copy), and each call quantizes its activations per
+"""GGUF linears with int8 activations: the weight stays in its Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K /
+Q6_K blocks (repacked once for csrc/cpu/cpu_int8_gemm.cpp, no dense copy), and each call quantizes its activations per
 block of 32 to int8 and multiplies them with `vpdpbusd` (AVX512-VNNI). That is llama.cpp's
 arithmetic, not the dequantized weight's: the outputs differ from the exact path in the last
 bits of each block's activations, and greedy tokens may diverge (docs/kernels.md).
@@ -15,6 +15,8 @@ import torch
 
 from engine.gguf.weights import QuantRows
 from engine.memory.huge_pages import to_huge_pages
+from collections.abc import Sequence
+
 from engine.models.int8_reference import INT8_TYPES, TYPE_NAMES, int8_gemm_reference
 from engine.ops import registry
 from engine.ops.registry import TORCH_REFERENCE
@@ -35,10 +37,26 @@ def int8_activations(setting: str, device: str) -> bool:
     return setting == "int8" or kernel_runs()
 
 
-def takes(rows: QuantRows | None, out_features: int, in_features: int) -> bool:
-    """Whether a linear of these blocks runs on this path."""
-    return (rows is not None and rows.int8_activations and rows.ggml_type in INT8_TYPES
-            and tuple(rows.data.shape[:1]) == (out_features,) and rows.k == in_features)
+def takes(rows: QuantRows | Sequence[QuantRows] | None, out_features: int, in_features: int) -> bool:
+    """Whether a linear of these blocks (or of these parts' blocks, its outputs in order) runs on this path."""
+    if rows is None:
+        return False
+    parts = [rows] if isinstance(rows, QuantRows) else list(rows)
+    return (len(parts) > 0 and all(p.int8_activations and p.ggml_type in INT8_TYPES and p.k == in_features
+                                   for p in parts)
+            and sum(p.data.shape[0] for p in parts) == out_features)
+
+
+def blocks_of(rows: QuantRows | Sequence[QuantRows], bias: torch.Tensor | None) -> "Int8Blocks | Int8Parts":
+    """The linear of `takes`' blocks: one type's, or parts of several (a fused q|k|v whose v is
+    another type, as in llama.cpp's Q4_K_M files)."""
+    if isinstance(rows, QuantRows):
+        return Int8Blocks(rows, bias)
+    rows = list(rows)
+    if len({p.ggml_type for p in rows}) == 1:
+        data = torch.cat([p.data for p in rows])
+        return Int8Blocks(QuantRows(rows[0].ggml_type, rows[0].k, data, True), bias)
+    return Int8Parts(rows, bias)
 
 
 class Int8Blocks:
@@ -67,3 +85,45 @@ class Int8Blocks:
         if self.kernel:
             return self._gemm(x, self.blocks, self.bias, self.out_features)
         return int8_gemm_reference(x, self.blocks, self.ggml_type, self.bias)
+
+
+class Int8Parts:
+    """A linear whose outputs are the concatenated outputs of parts of different GGML types:
+    y = [part(x) for part], in order. On the kernel, the parts' packed blocks lie in one uint8
+    vector behind a header (csrc/cpu/cpu_int8_gemm.cpp's int8_gemm_parts), which the fused layer
+    stack takes as it takes one part's blocks; on the reference, one call per part and the layers
+    run the Python loop (`blocks` None). Immutable after construction."""
+
+    def __init__(self, parts: Sequence[QuantRows], bias: torch.Tensor | None):
+        sizes = [p.data.shape[0] for p in parts]
+        biases = [None] * len(parts) if bias is None else list(bias.split(sizes))
+        blocks = [Int8Blocks(p, b) for p, b in zip(parts, biases)]
+        self.k, self.out_features, self.bias = parts[0].k, sum(sizes), bias
+        self.ggml_type = None  # several
+        self.kernel = all(b.kernel for b in blocks)
+        names = "+".join(dict.fromkeys(TYPE_NAMES[p.ggml_type] for p in parts))
+        self.path = blocks[0].path.replace(f"on {TYPE_NAMES[parts[0].ggml_type]} blocks", f"on {names} blocks")
+        # Kernel: uint8 [header + the parts' packed blocks] (int8_gemm_parts'), the parts' only copy.
+        self.parts: list[Int8Blocks] = []
+        self.blocks: torch.Tensor | None = None
+        if self.kernel:
+            count = len(blocks)
+            header = torch.zeros(-(-8 * (1 + 4 * count) // 64) * 8, dtype=torch.int64)
+            header[0] = count
+            for i, (part, n) in enumerate(zip(blocks, sizes)):
+                header[1 + 4 * i:5 + 4 * i] = torch.tensor([n, *part.blocks.shape])
+            self.blocks = to_huge_pages(torch.cat([header.view(torch.uint8)] + [b.blocks.reshape(-1) for b in blocks]))
+            self._gemm = registry.op("int8_gemm_parts")
+        else:
+            self.parts = blocks
+
+    @property
+    def nbytes(self) -> int:
+        if self.blocks is not None:
+            return self.blocks.numel()
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.blocks is not None:
+            return self._gemm(x, self.blocks, self.bias, self.out_features)
+        return torch.cat([part(x) for part in self.parts], dim=-1)

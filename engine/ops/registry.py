@@ -83,9 +83,10 @@ KERNELS: tuple[Kernel, ...] = (
            probe="f32_gemm_supported"),
     Kernel("quant_panels", "cpu", ("cpu/cpu_quant_panels.cpp",),
            ("quant_panels_pack", "quant_panels_unpack", "quant_panels_supported"), ONEDNN),
-    # GGUF linears with int8 activations against their Q4_0/Q4_1/Q8_0 blocks (AVX512-VNNI;
-    # engine/models/int8_linear.py); elsewhere engine/models/int8_reference.py, the same bits.
-    Kernel("int8_gemm", "cpu", ("cpu/cpu_int8_gemm.cpp",), ("int8_gemm_pack", "int8_gemm", "int8_gemm_supported"),
+    # GGUF linears with int8 activations against their Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks
+    # (AVX512-VNNI; engine/models/int8_linear.py); elsewhere engine/models/int8_reference.py, the same bits.
+    Kernel("int8_gemm", "cpu", ("cpu/cpu_int8_gemm.cpp",),
+           ("int8_gemm_pack", "int8_gemm", "int8_gemm_supported", "int8_gemm_parts"),
            TORCH_REFERENCE, label="cpu_kernel(avx512_vnni)", probe="int8_gemm_supported"),
 )
 OPS: tuple[str, ...] = tuple(dict.fromkeys(kernel.op for kernel in KERNELS))

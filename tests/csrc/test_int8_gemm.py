@@ -1,8 +1,9 @@
 """csrc/cpu/cpu_int8_gemm.cpp against engine/models/int8_reference.py: the same bits for every
-format (Q4_0, Q4_1, Q8_0), batch sizes 1-100, odd shapes and partial groups of 16 outputs, with
-and without a bias, float32 and bf16 inputs; a row's bits do not depend on its batch. The
-reference itself is checked against the dequantized weight (tests/engine/ggml_blocks.py, which
-shares no code with it) within int8 rounding. Skipped where the kernel does not run (no
+format (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), batch sizes 1-100, odd shapes and partial groups of
+16 outputs, K of one and several (K-quant super-)blocks, with and without a bias, float32 and bf16
+inputs; a row's bits do not depend on its batch. The reference itself is checked against the
+dequantized weight (tests/engine/ggml_blocks.py, which shares no code with it, and gguf's
+dequantize) within int8 rounding, and its values against gguf's exactly. Skipped where the kernel does not run (no
 AVX512-VNNI), where the engine runs the reference. Needs the ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 
@@ -15,15 +16,33 @@ from engine.models.int8_reference import int8_gemm_reference
 from tests.engine import ggml_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+K_QUANTS = (Q.Q4_K, Q.Q6_K)
 SHAPES = [(16, 32), (200, 96), (37, 64), (960, 576), (576, 1536)]
+# K-quants: K in super-blocks of 256.
+K_SHAPES = [(16, 256), (200, 768), (37, 512), (960, 256), (576, 1536)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 32, 64, 100]
 
 
 def blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
-    """[n, k / 32 * block bytes] uint8 of a random weight quantized by gguf (ggml's reference)."""
-    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
-    return torch.from_numpy(np.ascontiguousarray(gguf.quantize(values, qtype)))
+    """[n, k / values * block bytes] uint8: a random weight quantized by gguf (ggml's reference),
+    or for the K-quants (which gguf does not quantize) random bytes with float16 scales of a
+    weight's size: every bit pattern of the quants and the 6- or 8-bit scales is a valid block."""
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        values = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+        return torch.from_numpy(np.ascontiguousarray(gguf.quantize(values, qtype)))
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    scales = (0, 2) if qtype == Q.Q4_K else (208,)  # Q4_K: d, dmin; Q6_K: d
+    for at in scales:
+        d = (np.abs(rng.standard_normal((n, k // 256, 1))) * 2e-3).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def shapes(qtype: Q) -> list[tuple[int, int]]:
+    return K_SHAPES if qtype in K_QUANTS else SHAPES
 
 
 def supported(ops) -> None:
@@ -32,12 +51,16 @@ def supported(ops) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_kernel_equals_reference_bit_for_bit(kvsentry_ops, qtype, n, k):
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_kernel_equals_reference_bit_for_bit(kvsentry_ops, qtype, shape):
     supported(kvsentry_ops)
+    n, k = shapes(qtype)[shape]
     raw = blocks(qtype, n, k, seed=n + k)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
-    assert packed.shape[:2] == ((n + 15) // 16, k // 32)
+    values = 256 if qtype in K_QUANTS else 32
+    assert packed.shape[:2] == ((n + 15) // 16, k // values)
+    # Bytes per weight as the file's (the last group's padding outputs aside).
+    assert packed.numel() / (packed.shape[0] * 16 * k) <= 1.03 * raw.numel() / (n * k)
     bias = torch.randn(n)
     for m in ROWS:
         x = torch.randn(m, k) * 3
@@ -53,7 +76,7 @@ def test_kernel_equals_reference_bit_for_bit(kvsentry_ops, qtype, n, k):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch(kvsentry_ops, qtype):
     supported(kvsentry_ops)
-    n, k = 200, 576
+    n, k = 200, 768
     raw = blocks(qtype, n, k, seed=5)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
     x = torch.randn(100, k)
@@ -73,9 +96,12 @@ def test_a_rows_bits_do_not_depend_on_its_batch(kvsentry_ops, qtype):
 def test_reference_is_close_to_the_dequantized_product(qtype):
     """The reference's integer arithmetic is the dequantized weight's product, up to the int8
     rounding of the activations (an independent decoder of the blocks: ggml_blocks)."""
-    n, k = 64, 256
+    n, k = 64, 512
     raw = blocks(qtype, n, k, seed=11)
-    weight = torch.from_numpy(ggml_blocks.decode(qtype.name, raw.numpy(), (n, k)).astype(np.float32))
+    if qtype.name in ggml_blocks.DECODERS:
+        weight = torch.from_numpy(ggml_blocks.decode(qtype.name, raw.numpy(), (n, k)).astype(np.float32))
+    else:
+        weight = torch.from_numpy(gguf.dequantize(raw.numpy(), qtype).reshape(n, k))
     x = torch.randn(8, k)
     exact = x.double() @ weight.double().T
     got = int8_gemm_reference(x, raw, int(qtype)).double()
@@ -86,10 +112,26 @@ def test_reference_is_close_to_the_dequantized_product(qtype):
     assert not torch.equal(got, exact)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_reference_values_are_ggmls(qtype):
+    """The reference's weight values (scales * quants + minima) are gguf.dequantize's, bit for bit."""
+    from engine.models.int8_reference import weight_blocks
+    n, k = 24, 512
+    raw = blocks(qtype, n, k, seed=13)
+    quants, scales, minima = weight_blocks(raw, int(qtype), k)
+    values = scales[..., None] * quants
+    if minima is not None:
+        values = values + minima[..., None]
+    want = torch.from_numpy(gguf.dequantize(raw.numpy(), qtype).reshape(n, k))
+    assert torch.equal(values.reshape(n, k), want)
+
+
 def test_bad_arguments_are_refused(kvsentry_ops):
     raw = blocks(Q.Q4_0, 8, 64, seed=3)
     with pytest.raises(RuntimeError, match="is not Q4_0"):
-        kvsentry_ops.int8_gemm_pack(raw, int(Q.Q5_0), 64)
+        kvsentry_ops.int8_gemm_pack(raw, int(Q.Q5_1), 64)
+    with pytest.raises(RuntimeError, match="whole blocks of 256"):
+        kvsentry_ops.int8_gemm_pack(blocks(Q.Q4_K, 8, 256, seed=3), int(Q.Q4_K), 128)
     with pytest.raises(RuntimeError, match="whole blocks of 32"):
         kvsentry_ops.int8_gemm_pack(raw, int(Q.Q4_0), 48)
     with pytest.raises(RuntimeError, match="raw must be"):
@@ -108,10 +150,34 @@ def test_packed_rows_read_back_as_their_gguf_rows(kvsentry_ops, qtype):
     every row, partial last group included, reads back as the file's row."""
     from engine.models.block_embedding import packed_blocks
     from engine.models.int8_reference import weight_blocks
-    n, k = 37, 96
+    n, k = 37, 512 if qtype in K_QUANTS else 96
     raw = blocks(qtype, n, k, seed=9)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
     ids = torch.tensor([0, 15, 16, 36, 5, 5])
     got, want = packed_blocks(packed, ids, int(qtype)), weight_blocks(raw[ids], int(qtype), k)
     for g, w in zip(got, want):
         assert (g is None and w is None) or torch.equal(g, w)
+
+
+def test_parts_of_several_types_are_their_parts_side_by_side(kvsentry_ops):
+    """A q|k|v of several GGML types (engine/models/int8_linear.py's Int8Parts, one vector behind a
+    header): int8_gemm_parts gives each part's int8_gemm (so the reference's) bits in its columns."""
+    from engine.gguf.weights import QuantRows
+    from engine.models.int8_linear import Int8Parts
+    supported(kvsentry_ops)
+    k = 512
+    rows = [QuantRows(int(t), k, blocks(t, n, k, seed=n), True) for t, n in ((Q.Q4_K, 37), (Q.Q6_K, 16), (Q.Q5_0, 21))]
+    bias = torch.randn(74)
+    parts = Int8Parts(rows, bias)
+    assert parts.kernel and parts.blocks.dim() == 1 and parts.path.endswith("on q4_k+q6_k+q5_0 blocks")
+    for m in (1, 5, 33):
+        x = torch.randn(m, k)
+        want = torch.cat([int8_gemm_reference(x, r.data, r.ggml_type, b)
+                          for r, b in zip(rows, bias.split([37, 16, 21]))], 1)
+        assert torch.equal(parts(x), want), m
+        assert torch.equal(kvsentry_ops.int8_gemm_parts(x, parts.blocks, None, 74),
+                           torch.cat([int8_gemm_reference(x, r.data, r.ggml_type) for r in rows], 1))
+    with pytest.raises(RuntimeError, match="parts hold 74 outputs, not 75"):
+        kvsentry_ops.int8_gemm_parts(torch.randn(2, k), parts.blocks, None, 75)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kvsentry_ops.int8_gemm_parts(torch.randn(2, k), parts.blocks[:-64].contiguous(), None, 74)

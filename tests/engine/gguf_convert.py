@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tests.engine import kquant_blocks
+
 GGUF_ARCH = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA, "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2, "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
@@ -145,7 +147,8 @@ def _tensors(state: dict[str, torch.Tensor], hf: dict, arch: str) -> dict[str, t
 def write_gguf(src: str | Path, dst: str | Path,
                qtype: Callable[[str, torch.Tensor], gguf.GGMLQuantizationType] = lambda n, t: Q.F32) -> Path:
     """Convert the HF checkpoint directory `src` into GGUF file `dst`; `qtype(gguf_name, tensor)`
-    picks each tensor's type (F32, F16, BF16, Q8_0, Q4_0, Q4_1: what `gguf` can quantize)."""
+    picks each tensor's type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0: what `gguf` can quantize; Q4_K
+    and Q6_K through tests/engine/kquant_blocks.py)."""
     src, dst = Path(src), Path(dst)
     hf = json.loads((src / "config.json").read_text())
     arch = hf["architectures"][0]
@@ -170,6 +173,8 @@ def write_gguf(src: str | Path, dst: str | Path,
             writer.add_tensor(gguf_name, data)
         elif kind == Q.F16:
             writer.add_tensor(gguf_name, data.astype(np.float16))
+        elif kind in kquant_blocks.QUANTIZERS:
+            writer.add_tensor(gguf_name, kquant_blocks.QUANTIZERS[kind](data), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, gguf.quantize(data, kind), raw_dtype=kind)
     writer.write_header_to_file()
