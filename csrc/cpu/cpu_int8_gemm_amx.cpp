@@ -7,35 +7,47 @@
 //            "avx512_vnni" (every other call); the registry's label names them
 //   torch.ops.kvsentry_debug.int8_gemm_amx_rows(int? min_rows) -> int   the test build's switch:
 //            the fewest rows the AMX path takes (set it past any batch to run VNNI alone)
+//   torch.ops.kvsentry_debug.int8_amx_tile_peak(int iterations) -> float   multiply-adds per
+//            second of tdpbssd on resident tiles, one thread (benchmarks/limits.py, int8_gemm.py)
 //
 // Why: the VNNI kernel spends 8 vpdpbusd per row, block of 32 K and 16 outputs on the integer
-// sums alone, and the same again on their float32 scaling; from 8 rows up the bf16 AMX panels on
-// the same blocks beat it (0.82x at 8 rows, 0.36x at 64). Here one tdpbssd takes a block's sums
-// for 16 rows x 16 outputs, and the vector units do only the scaling the reference prescribes.
+// sums alone, as many instructions again on their float32 scaling; from 8 rows up the bf16 AMX
+// panels on the same blocks beat it (0.82x at 8 rows, 0.36x at 64). Here one tdpbssd takes a
+// block's sums for 16 rows x 16 outputs, and the vector units do only the scaling the reference
+// prescribes. That scaling, and tilestored (the one way out of a tile, which also stalls vector
+// work beside it: ~25 cycles each of stores and of scaling took ~75 together on a Xeon core),
+// bound the path: ~4-7% of the tile peak at 64 rows, where the bf16 panels' tiles accumulate
+// K without a store per block (benchmarks/int8_gemm.py; docs/kernels.md).
 //
-// Per pair of packed groups (32 outputs) and chunk of kChunk blocks of K:
-//   unpack  each group's block into a B tile of 8 rows x 64 bytes: byte 4r + j of row c is the
-//           weight of output r at K = 4c + j, as the packed vectors already lie (their header):
-//           Q4_0 / Q4_1 vector c gives row c (low nibbles) and row 4 + c (high nibbles), Q4_0
-//           less 8; Q8_0's 8 vectors less their 128. All signed bytes (a Q4_1 nibble is 0-15).
-//   sums    per 32 rows (two A tiles of 16 rows x 32 bytes, the quantized activations as they
-//           lie) and block, 4 C tiles of int32 = A . B (tdpbssd: exact), stored for the scaling;
-//   scale   per row and output, block by block in K's order: acc + (dw * dx) * isum (Q4_1:
-//           + mw * sx), each product and sum rounded on its own (the *_round_ps intrinsics keep
-//           GCC from fusing them), from 0 at the first block, + bias after the last.
-// So a row's bits are the VNNI kernel's, whichever path its batch takes (tests/csrc/test_int8_gemm.py).
+// Per group of 16 outputs, per tile of up to 16 rows, block by block in K's order:
+//   unpack  (the group's first row tile, as it goes; later tiles reuse it) the block into a B
+//           tile of 8 rows x 64 bytes: byte 4r + j of row c is the weight of output r at
+//           K = 4c + j, as the packed vectors already lie (their header): Q4_0 / Q4_1 vector c
+//           gives row c (low nibbles) and row 4 + c (high nibbles), Q4_0 less 8; Q8_0's 8
+//           vectors less their 128. All signed bytes (a Q4_1 nibble is 0-15).
+//   sums    a C tile of int32 = A . B (tdpbssd: exact), A the 16 rows' quantized activations
+//           as they lie (rows past M zero), stored to a ring of 4 slots; the products run 3
+//           blocks ahead of the scaling, the store 1 block ahead, issued one instruction at a
+//           time between the scaling's rows;
+//   scale   per row: acc + (dw * dx) * isum (Q4_1: + mw * sx), each product and sum rounded on
+//           its own (the *_round_ps intrinsics keep GCC from fusing them), acc in a register
+//           from 0 at the first block to the last, then + bias.
+// So a row's bits are the VNNI kernel's, whichever path its batch takes (tests/csrc/test_int8_gemm_amx.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_amx.h"
 #include "cpu_int8_gemm_amx.h"
+#include "cpu_prefetch.h"
 
 namespace kvsentry_int8 {
 namespace {
@@ -43,11 +55,11 @@ namespace {
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
 constexpr int64_t kGroup = 16;                       // outputs per packed group: one C tile's columns
 constexpr int64_t kTileRows = 16;                    // batch rows per A tile
-constexpr int64_t kRowTile = 2 * kTileRows;          // batch rows per pass: two A tiles
-constexpr int64_t kChunk = 4;                        // blocks of K whose sums wait in L1 for the scaling
 constexpr int64_t kTileInts = kTileRows * kGroup;    // int32 per C tile
 constexpr int64_t kBTileBytes = 8 * 64;              // one block of one group: 8 rows of 4 K x 16 outputs
-constexpr int64_t kAhead = 2;                        // chunks of each group's blocks prefetched ahead
+constexpr int64_t kRing = 4;                         // C tiles, and slots of their stored sums
+constexpr int64_t kLead = 3;                         // blocks whose products run ahead of the scaling
+constexpr int64_t kPrefetchBlocks = 8;               // blocks of the weight stream prefetched ahead of the unpacking
 // Fewest rows the AMX path takes: see docs/kernels.md for the measurement.
 constexpr int64_t kMinRows = 8;
 
@@ -70,15 +82,8 @@ constexpr int64_t min_rows() { return kMinRows; }
 #define KVS_AMX_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,amx-tile,amx-int8")))
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// One pair of groups' chunk of blocks, unpacked: B tiles and float32 scales.
-struct Chunk {
-  alignas(64) int8_t quants[kChunk][2][kBTileBytes];
-  alignas(64) float dw[kChunk][2][kGroup];
-  alignas(64) float mw[kChunk][2][kGroup];
-};
-
-// Tiles 0-3 are C (2 a + g: A tile a, group g; 16 rows of 16 int32), 4-5 A (16 rows x 32 bytes of
-// quantized activations), 6-7 B (group g: 8 rows x 64 bytes).
+// Tiles 0-3 are C, a ring: block b's sums in tile b % 4 (16 rows of 16 int32); 4-5 A by the
+// block's parity (16 rows x 32 bytes of quantized activations); 6-7 B by parity (8 rows x 64 bytes).
 kvsentry_amx::TileConfig tile_config() {
   return kvsentry_amx::TileConfig({16, 16, 16, 16, 16, 16, 8, 8}, {64, 64, 64, 64, 32, 32, 64, 64});
 }
@@ -110,155 +115,187 @@ KVS_AMX_INT8_TARGET void unpack(const uint8_t* block, int8_t* quants, float* dw,
   }
 }
 
-// isum[b][2 a + g] [16 rows][16 outputs] int32 for the chunk's blocks b < kc: A tile a holds rows
-// a0 + 16 a (a < A), group g < G. The first row's quants for the chunk start at `x`.
-template <int A, int G>
-KVS_AMX_INT8_TARGET void products(const int8_t* x, int64_t k, int64_t kc, const Chunk& w, int32_t* isum) {
-  for (int64_t b = 0; b < kc; ++b, x += 32, isum += 4 * kTileInts) {
-    _tile_zero(0);
-    if (G == 2) _tile_zero(1);
-    if (A == 2) _tile_zero(2);
-    if (A == 2 && G == 2) _tile_zero(3);
-    _tile_loadd(4, x, k);
-    _tile_loadd(6, w.quants[b][0], 64);
-    _tile_dpbssd(0, 4, 6);
-    if (G == 2) {
-      _tile_loadd(7, w.quants[b][1], 64);
-      _tile_dpbssd(1, 4, 7);
-    }
-    if (A == 2) {
-      _tile_loadd(5, x + kTileRows * k, k);
-      _tile_dpbssd(2, 5, 6);
-      if (G == 2) _tile_dpbssd(3, 5, 7);
-    }
-    _tile_stored(0, isum, 64);
-    if (G == 2) _tile_stored(1, isum + kTileInts, 64);
-    if (A == 2) _tile_stored(2, isum + 2 * kTileInts, 64);
-    if (A == 2 && G == 2) _tile_stored(3, isum + 3 * kTileInts, 64);
-  }
-}
-
-// Where the scaling of rows [r0, r0 + rows) reads and writes.
-struct Rows {
-  int64_t r0, rows;
-  const float* dx;  // [m, blocks]: row r's block b at dx[r * blocks + b]
-  const float* sx;
-  int64_t blocks, b0;
-  bool first, last;
-  float* acc;        // [m, 32] float32: the pair's partial sums between chunks
-  const float* bias; // the pair's [32] (nullptr: none)
-  float* y;          // the pair's first output of row 0; rows n apart
-  int64_t n;
-  int valid;         // outputs of the pair that exist (1-32)
+// One group's blocks, unpacked: [blocks][8 rows x 64 bytes] B tiles, [blocks][16] float32 scales.
+struct Group {
+  kvsentry_amx::TileBuffer<int8_t> quants;
+  kvsentry_amx::TileBuffer<float> dw, mw;
+  explicit Group(int64_t blocks)
+      : quants(static_cast<size_t>(blocks * kBTileBytes)), dw(static_cast<size_t>(blocks * kGroup)), mw(dw.size()) {}
 };
 
-// acc[r][g] (+)= sum over the chunk's KC blocks, in order, of (dw * dx) * isum (Q4_1: + mw * sx);
-// after the last chunk, + bias and stored to y.
-template <int64_t kType, int G, int KC>
-KVS_AMX_INT8_TARGET void scale(const int32_t* isum, const Chunk& w, const Rows& span) {
-  __m512 dw[KC][G], mw[KC][G];
-  #pragma GCC unroll 8
-  for (int b = 0; b < KC; ++b) {
-    #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g) {
-      dw[b][g] = _mm512_load_ps(w.dw[b][g]);
-      if (kType == kQ4_1) mw[b][g] = _mm512_load_ps(w.mw[b][g]);
-    }
-  }
-  for (int64_t i = 0; i < span.rows; ++i) {
-    const int64_t row = span.r0 + i;
-    const int32_t* sums = isum + (i / kTileRows) * 2 * kTileInts + (i % kTileRows) * kGroup;
-    const float* dx = span.dx + row * span.blocks + span.b0;
-    const float* sx = span.sx + row * span.blocks + span.b0;
-    float* acc = span.acc + row * 2 * kGroup;
-    __m512 a[G];
-    #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g) a[g] = span.first ? _mm512_setzero_ps() : _mm512_load_ps(acc + kGroup * g);
-    #pragma GCC unroll 8
-    for (int b = 0; b < KC; ++b) {
-      const __m512 xd = _mm512_set1_ps(dx[b]);
-      const __m512 xs = kType == kQ4_1 ? _mm512_set1_ps(sx[b]) : xd;
-      #pragma GCC unroll 2
-      for (int g = 0; g < G; ++g) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums + b * 4 * kTileInts + g * kTileInts));
-        __m512 term = _mm512_mul_round_ps(_mm512_mul_round_ps(dw[b][g], xd, kRound), dot, kRound);
-        if (kType == kQ4_1) term = _mm512_add_round_ps(term, _mm512_mul_round_ps(mw[b][g], xs, kRound), kRound);
-        a[g] = _mm512_add_round_ps(a[g], term, kRound);
-      }
-    }
-    #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g) {
-      if (!span.last) {
-        _mm512_store_ps(acc + kGroup * g, a[g]);
-        continue;
-      }
-      const int lanes = std::min(span.valid - 16 * g, 16);
-      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-      if (span.bias != nullptr) a[g] = _mm512_add_round_ps(a[g], _mm512_maskz_loadu_ps(mask, span.bias + 16 * g), kRound);
-      _mm512_mask_storeu_ps(span.y + row * span.n + 16 * g, mask, a[g]);
-    }
-  }
-}
-
-template <int64_t kType, int G>
-KVS_AMX_INT8_TARGET void scale_chunk(const int32_t* isum, const Chunk& w, const Rows& span, int64_t kc) {
-  switch (kc) {
-    case 4: scale<kType, G, 4>(isum, w, span); break;
-    case 3: scale<kType, G, 3>(isum, w, span); break;
-    case 2: scale<kType, G, 2>(isum, w, span); break;
-    default: scale<kType, G, 1>(isum, w, span); break;
-  }
-}
-static_assert(kChunk == 4, "scale_chunk instantiates 1 to kChunk blocks");
-
-template <int G>
-KVS_AMX_INT8_TARGET void products_rows(const int8_t* x, int64_t k, int64_t rows, int64_t kc, const Chunk& w,
-                                       int32_t* isum) {
-  if (rows > kTileRows) {
-    products<2, G>(x, k, kc, w, isum);
-  } else {
-    products<1, G>(x, k, kc, w, isum);
-  }
-}
-
-// Pairs of groups [begin, end) for all m rows. Tile state is per thread: configured here and
-// released before returning.
+// Block j of a group's packed blocks into w, when the row tile unpacks as it goes (`packed`
+// set: the group's first), and the stream kPrefetchBlocks blocks on (the next group's, past
+// this one's end) into L1: the weights stream at the pace of the products, as the VNNI kernel
+// reads them, and the hardware prefetcher sees a steady stream.
 template <int64_t kType>
-KVS_AMX_INT8_TARGET void pairs(int64_t begin, int64_t end, const uint8_t* packed, int64_t groups, int64_t blocks,
-                               const int8_t* q, const float* dx, const float* sx, int64_t m, const float* bias,
-                               float* y, int64_t n) {
+KVS_AMX_INT8_TARGET __attribute__((always_inline)) inline void unpack_ahead(const uint8_t* packed, int64_t j,
+                                                                            int64_t blocks, Group& w) {
+  constexpr int64_t bytes = packed_bytes(kType);
+  if (packed == nullptr || j >= blocks) return;
+  unpack<kType>(packed + j * bytes, w.quants.data() + j * kBTileBytes, w.dw.data() + j * kGroup,
+                w.mw.data() + j * kGroup);
+  const char* ahead = reinterpret_cast<const char*>(packed + (j + kPrefetchBlocks) * bytes);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+// Where a row tile's scaling reads: block j's dx (and sx) of its 16 rows at dx[16 j] (rows past
+// m zero), block j's scales at dw[16 j] (and mw).
+struct Scales {
+  const float* dx;
+  const float* sx;
+  const float* dw;
+  const float* mw;
+};
+
+// The tile instructions of step S of a row tile (the step that scales block b + S, b a multiple
+// of 4): block b + S + 1's store into its ring slot, then block b + S + 3's products (C tile
+// (S + 3) % 4, A and B tiles by its parity). Issued one at a time between the scaling's rows:
+// the tile unit queues few instructions, and one that finds the queue full holds up the vector
+// work behind it. (The tile intrinsics take tile numbers as text: one specialization per step.)
+template <int S>
+struct StepTiles;
+#define KVS_STEP_TILES(S, C, A, B, STORED)                                                        \
+  template <>                                                                                    \
+  struct StepTiles<S> {                                                                          \
+    const int8_t* x;                                                                             \
+    int64_t k;                                                                                   \
+    const int8_t* quants;                                                                        \
+    int32_t* sums;                                                                               \
+    bool products, store;                                                                        \
+    KVS_AMX_INT8_TARGET __attribute__((always_inline)) inline void issue(int op) const {        \
+      if (op == 0 && store) _tile_stored(STORED, sums, 64);                                      \
+      if (op == 1 && products) _tile_zero(C);                                                    \
+      if (op == 2 && products) _tile_loadd(A, x, k);                                             \
+      if (op == 3 && products) _tile_loadd(B, quants, 64);                                       \
+      if (op == 4 && products) _tile_dpbssd(C, A, B);                                            \
+    }                                                                                            \
+  }
+KVS_STEP_TILES(0, 3, 5, 7, 1);
+KVS_STEP_TILES(1, 0, 4, 6, 2);
+KVS_STEP_TILES(2, 1, 5, 7, 3);
+KVS_STEP_TILES(3, 2, 4, 6, 0);
+#undef KVS_STEP_TILES
+constexpr int kStepTileOps = 5;
+
+// acc[r] += (dw * dx[r]) * isum[r] (Q4_1: + mw * sx[r]) for block j of R rows, each product and
+// sum rounded on its own (the *_round_ps intrinsics keep GCC from fusing them); the step's tile
+// instructions between the rows.
+template <int64_t kType, int R, int S>
+KVS_AMX_INT8_TARGET __attribute__((always_inline)) inline void scale(__m512 (&acc)[R], const Scales& at, int64_t j,
+                                                                     const int32_t* sums, const StepTiles<S>& tiles) {
+  const __m512 dw = _mm512_load_ps(at.dw + kGroup * j);
+  const __m512 mw = kType == kQ4_1 ? _mm512_load_ps(at.mw + kGroup * j) : dw;
+  const float* dx = at.dx + kGroup * j;
+  const float* sx = at.sx + kGroup * j;
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    #pragma GCC unroll 8
+    for (int op = 0; op < kStepTileOps; ++op) {
+      if (op * R / kStepTileOps == r) tiles.issue(op);
+    }
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums + kGroup * r));
+    __m512 term = _mm512_mul_round_ps(_mm512_mul_round_ps(dw, _mm512_set1_ps(dx[r]), kRound), dot, kRound);
+    if (kType == kQ4_1) term = _mm512_add_round_ps(term, _mm512_mul_round_ps(mw, _mm512_set1_ps(sx[r]), kRound), kRound);
+    acc[r] = _mm512_add_round_ps(acc[r], term, kRound);
+  }
+}
+
+// One group's 16 outputs for a tile of up to 16 rows (R of them scaled, `rows` stored), summed
+// over all blocks in order: acc[r] stays in a register from the first block to the last. Block
+// j's products run 3 steps ahead of its scaling and its store 1 step ahead (C tiles and ring
+// slots j % 4), so the tile unit works while the vector units scale.
+template <int64_t kType, int R>
+KVS_AMX_INT8_TARGET void row_tile(const int8_t* x, int64_t k, int64_t blocks, const uint8_t* packed, Group& w,
+                                  const Scales& at, int32_t* ring, const float* bias, float* y, int64_t n,
+                                  int64_t rows, __mmask16 mask) {
+  static_assert(kLead == 3 && kRing == 4, "the steps' tiles lead by 3 blocks in a ring of 4");
+  __m512 acc[R];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* quants = w.quants.data();
+  for (int64_t j = 0; j < kLead; ++j) unpack_ahead<kType>(packed, j, blocks, w);
+  _tile_zero(0);
+  _tile_loadd(4, x, k);
+  _tile_loadd(6, quants, 64);
+  _tile_dpbssd(0, 4, 6);
+  if (blocks > 1) {
+    _tile_zero(1);
+    _tile_loadd(5, x + 32, k);
+    _tile_loadd(7, quants + kBTileBytes, 64);
+    _tile_dpbssd(1, 5, 7);
+  }
+  if (blocks > 2) {
+    _tile_zero(2);
+    _tile_loadd(4, x + 64, k);
+    _tile_loadd(6, quants + 2 * kBTileBytes, 64);
+    _tile_dpbssd(2, 4, 6);
+  }
+  _tile_stored(0, ring, 64);
+  auto tiles = [&](int64_t j) {  // what step j's tiles read and write (j: the block it scales)
+    return std::make_tuple(x + 32 * (j + 3), quants + (j + 3) * kBTileBytes, ring + (j + 1) % kRing * kTileInts,
+                           j + 3 < blocks, j + 1 < blocks);
+  };
+  for (int64_t b = 0; b < blocks; b += 4) {
+    {
+      unpack_ahead<kType>(packed, b + kLead, blocks, w);
+      auto [xs, qs, sums, products, store] = tiles(b);
+      scale<kType, R>(acc, at, b, ring, StepTiles<0>{xs, k, qs, sums, products, store});
+    }
+    if (b + 1 >= blocks) break;
+    {
+      unpack_ahead<kType>(packed, b + 1 + kLead, blocks, w);
+      auto [xs, qs, sums, products, store] = tiles(b + 1);
+      scale<kType, R>(acc, at, b + 1, ring + kTileInts, StepTiles<1>{xs, k, qs, sums, products, store});
+    }
+    if (b + 2 >= blocks) break;
+    {
+      unpack_ahead<kType>(packed, b + 2 + kLead, blocks, w);
+      auto [xs, qs, sums, products, store] = tiles(b + 2);
+      scale<kType, R>(acc, at, b + 2, ring + 2 * kTileInts, StepTiles<2>{xs, k, qs, sums, products, store});
+    }
+    if (b + 3 >= blocks) break;
+    {
+      unpack_ahead<kType>(packed, b + 3 + kLead, blocks, w);
+      auto [xs, qs, sums, products, store] = tiles(b + 3);
+      scale<kType, R>(acc, at, b + 3, ring + 3 * kTileInts, StepTiles<3>{xs, k, qs, sums, products, store});
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+    __m512 out = acc[r];
+    if (bias != nullptr) out = _mm512_add_round_ps(out, _mm512_maskz_loadu_ps(mask, bias), kRound);
+    _mm512_mask_storeu_ps(y + r * n, mask, out);
+  }
+}
+
+// Groups [begin, end) for all m rows: each group's row tiles in turn, the first unpacking its
+// blocks for the others. Tile state is per thread: configured here and released before returning.
+//   dxt, sxt [row tiles, blocks, 16]: dx and sx transposed per tile of 16 rows (zero past m).
+template <int64_t kType>
+KVS_AMX_INT8_TARGET void groups_of(int64_t begin, int64_t end, const uint8_t* packed, int64_t blocks,
+                                   const int8_t* q, const float* dxt, const float* sxt, int64_t m,
+                                   const float* bias, float* y, int64_t n) {
   const kvsentry_amx::TileConfig config = tile_config();
   _tile_loadconfig(&config);
-  const int64_t k = blocks * 32, bytes = packed_bytes(kType);
-  Chunk w;
-  kvsentry_amx::TileBuffer<int32_t> isum(static_cast<size_t>(kChunk * 4 * kTileInts));
-  kvsentry_amx::TileBuffer<float> acc(blocks > kChunk ? static_cast<size_t>(m * 2 * kGroup) : 0);
-  for (int64_t p = begin; p < end; ++p) {
-    const int G = 2 * p + 1 < groups ? 2 : 1;
-    const int64_t n0 = 2 * p * kGroup;
-    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
-      const int64_t kc = std::min(kChunk, blocks - b0);
-      for (int g = 0; g < G; ++g) {
-        const uint8_t* group = packed + ((2 * p + g) * blocks + b0) * bytes;
-        for (int64_t b = 0; b < kc; ++b) unpack<kType>(group + b * bytes, w.quants[b][g], w.dw[b][g], w.mw[b][g]);
-        // Each group's blocks kAhead chunks on (past its end: the next group's, next here too)
-        // into L1 while these multiply: the hardware prefetcher lags this bursty stream.
-        const char* ahead = reinterpret_cast<const char*>(group) + kAhead * kChunk * bytes;
-        for (int64_t line = 0; line < kc * bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      }
-      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-        const int64_t rows = std::min(kRowTile, m - r0);
-        const Rows span{r0, rows, dx, sx, blocks, b0, b0 == 0, b0 + kc == blocks, acc.data(),
-                      bias != nullptr ? bias + n0 : nullptr, y + n0, n,
-                      static_cast<int>(std::min<int64_t>(2 * kGroup, n - n0))};
-        const int8_t* x = q + r0 * k + 32 * b0;
-        if (G == 2) {
-          products_rows<2>(x, k, rows, kc, w, isum.data());
-          scale_chunk<kType, 2>(isum.data(), w, span, kc);
-        } else {
-          products_rows<1>(x, k, rows, kc, w, isum.data());
-          scale_chunk<kType, 1>(isum.data(), w, span, kc);
-        }
+  const int64_t k = blocks * 32;
+  Group w(blocks);
+  kvsentry_amx::TileBuffer<int32_t> ring(static_cast<size_t>(kRing * kTileInts));
+  for (int64_t g = begin; g < end; ++g) {
+    const int64_t n0 = g * kGroup;
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(kGroup, n - n0)) - 1);
+    const float* b = bias != nullptr ? bias + n0 : nullptr;
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, m - r0), tile = r0 / kTileRows;
+      const Scales at{dxt + tile * blocks * kGroup, sxt + tile * blocks * kGroup, w.dw.data(), w.mw.data()};
+      const uint8_t* blocks_of = r0 == 0 ? packed + g * blocks * packed_bytes(kType) : nullptr;
+      const int8_t* x = q + r0 * k;
+      float* out = y + r0 * n + n0;
+      switch ((rows + 3) / 4) {
+        case 4: row_tile<kType, 16>(x, k, blocks, blocks_of, w, at, ring.data(), b, out, n, rows, mask); break;
+        case 3: row_tile<kType, 12>(x, k, blocks, blocks_of, w, at, ring.data(), b, out, n, rows, mask); break;
+        case 2: row_tile<kType, 8>(x, k, blocks, blocks_of, w, at, ring.data(), b, out, n, rows, mask); break;
+        default: row_tile<kType, 4>(x, k, blocks, blocks_of, w, at, ring.data(), b, out, n, rows, mask); break;
       }
     }
   }
@@ -266,8 +303,41 @@ KVS_AMX_INT8_TARGET void pairs(int64_t begin, int64_t end, const uint8_t* packed
 }
 
 bool cpu_runs() { return kvsentry_amx::int8_supported(); }
+
+#ifdef KVSENTRY_DEBUG_OPS
+// The AMX-INT8 tile peak of this thread, in multiply-adds per second: tdpbssd back to back on
+// resident full tiles (A and B 16 x 64 bytes, 4 C tiles: 16 384 multiply-adds each).
+KVS_AMX_INT8_TARGET double tile_peak(int64_t iterations) {
+  TORCH_CHECK(cpu_runs(), "int8_amx_tile_peak: this CPU (or build, or process) has no AMX-INT8");
+  const kvsentry_amx::TileConfig config({16, 16, 16, 16, 16, 16, 16, 16});
+  _tile_loadconfig(&config);
+  kvsentry_amx::TileBuffer<int8_t> data(16 * 64, 1);
+  _tile_loadd(4, data.data(), 64);
+  _tile_loadd(5, data.data(), 64);
+  _tile_loadd(6, data.data(), 64);
+  _tile_loadd(7, data.data(), 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, data.data(), 64);  // the products done before the clock stops
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  _tile_release();
+  return 4.0 * static_cast<double>(iterations) * 16 * 16 * 64 / seconds;
+}
+#endif
 #else
 bool cpu_runs() { return false; }
+#ifdef KVSENTRY_DEBUG_OPS
+double tile_peak(int64_t) { TORCH_CHECK(false, "int8_amx_tile_peak: built without AVX-512"); }
+#endif
 #endif
 
 bool vnni_runs() {
@@ -295,11 +365,21 @@ bool amx_takes(int64_t type, int64_t m) {
 void amx_gemm(int64_t type, const uint8_t* packed, int64_t groups, int64_t blocks, const int8_t* q, const float* dx,
               const float* sx, int64_t m, const float* bias, float* y, int64_t n) {
 #if defined(__AVX512F__)
-  // Threads split the pairs of groups, as the VNNI kernel does; each unpacks its own.
-  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    if (type == kQ4_0) pairs<kQ4_0>(begin, end, packed, groups, blocks, q, dx, sx, m, bias, y, n);
-    if (type == kQ4_1) pairs<kQ4_1>(begin, end, packed, groups, blocks, q, dx, sx, m, bias, y, n);
-    if (type == kQ8_0) pairs<kQ8_0>(begin, end, packed, groups, blocks, q, dx, sx, m, bias, y, n);
+  // dx and sx by tiles of 16 rows: [row tiles, blocks, 16], zero past m.
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  kvsentry_amx::TileBuffer<float> dxt(static_cast<size_t>(tiles * blocks * kGroup)), sxt(dxt.size());
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = ((r / kTileRows) * blocks + b) * kGroup + r % kTileRows;
+      dxt[at] = dx[r * blocks + b];
+      sxt[at] = sx[r * blocks + b];
+    }
+  }
+  // Threads split the groups; each unpacks its own.
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    if (type == kQ4_0) groups_of<kQ4_0>(begin, end, packed, blocks, q, dxt.data(), sxt.data(), m, bias, y, n);
+    if (type == kQ4_1) groups_of<kQ4_1>(begin, end, packed, blocks, q, dxt.data(), sxt.data(), m, bias, y, n);
+    if (type == kQ8_0) groups_of<kQ8_0>(begin, end, packed, blocks, q, dxt.data(), sxt.data(), m, bias, y, n);
   });
 #endif
 }
@@ -311,5 +391,6 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) { m.def("int8_gemm_kernels() -> str[]", &kvs
 #ifdef KVSENTRY_DEBUG_OPS
 TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) {
   m.def("int8_gemm_amx_rows(int? min_rows=None) -> int", &kvsentry_int8::amx_rows);
+  m.def("int8_amx_tile_peak(int iterations) -> float", &kvsentry_int8::tile_peak);
 }
 #endif
