@@ -19,6 +19,8 @@
 // as the file (the group's padding outputs aside): 0.5625 (Q4_0), 0.625 (Q4_1), 1.0625 (Q8_0).
 // One vpdpbusd then adds 4 products for 16 outputs; a tile of 2 groups x 4 batch rows reuses
 // each weight vector 4 times and each activation broadcast twice.
+// On CPUs with AMX-INT8, batches of Q4_0 / Q4_1 / Q8_0 from a few rows up take the same blocks
+// on tiles instead (cpu_int8_gemm_amx.cpp), to the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
