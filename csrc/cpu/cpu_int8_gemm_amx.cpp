@@ -214,6 +214,9 @@ KVS_AMX_INT8_TARGET void row_tile(const int8_t* x, int64_t k, int64_t blocks, co
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* quants = w.quants.data();
   for (int64_t j = 0; j < kLead; ++j) unpack_ahead<kType>(packed, j, blocks, w);
+  // The rows' output lines, for writing, while the tile runs: their misses (rows n floats
+  // apart, an LM head's 49152) would otherwise all stall the stores at its end.
+  for (int64_t r = 0; r < rows; ++r) asm volatile("prefetchw %0" : : "m"(*reinterpret_cast<const char*>(y + r * n)));
   _tile_zero(0);
   _tile_loadd(4, x, k);
   _tile_loadd(6, quants, 64);
