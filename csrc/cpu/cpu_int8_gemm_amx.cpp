@@ -47,7 +47,6 @@
 
 #include "cpu_amx.h"
 #include "cpu_int8_gemm_amx.h"
-#include "cpu_prefetch.h"
 
 namespace kvsentry_int8 {
 namespace {
