@@ -140,10 +140,7 @@ KVS_AMX_INT8_TARGET __attribute__((always_inline)) inline void unpack_ahead(cons
 // Where a row tile's scaling reads: block j's dx (and sx) of its 16 rows at dx[16 j] (rows past
 // m zero), block j's scales at dw[16 j] (and mw).
 struct Scales {
-  const float* dx;
-  const float* sx;
-  const float* dw;
-  const float* mw;
+  const float *dx, *sx, *dw, *mw;
 };
 
 // The tile instructions of step S of a row tile (the step that scales block b + S, b a multiple
@@ -364,17 +361,17 @@ bool amx_takes(int64_t type, int64_t m) {
   return (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) && m >= min_rows() && cpu_runs();
 }
 
+#if defined(__AVX512F__)
 void amx_gemm(int64_t type, const uint8_t* packed, int64_t groups, int64_t blocks, const int8_t* q, const float* dx,
               const float* sx, int64_t m, const float* bias, float* y, int64_t n) {
-#if defined(__AVX512F__)
   // dx and sx by tiles of 16 rows: [row tiles, blocks, 16], zero past m.
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   kvsentry_amx::TileBuffer<float> dxt(static_cast<size_t>(tiles * blocks * kGroup)), sxt(dxt.size());
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = ((r / kTileRows) * blocks + b) * kGroup + r % kTileRows;
-      dxt[at] = dx[r * blocks + b];
-      sxt[at] = sx[r * blocks + b];
+      const int64_t slot = ((r / kTileRows) * blocks + b) * kGroup + r % kTileRows;
+      dxt[slot] = dx[r * blocks + b];
+      sxt[slot] = sx[r * blocks + b];
     }
   }
   // Threads split the groups; each unpacks its own.
@@ -383,8 +380,12 @@ void amx_gemm(int64_t type, const uint8_t* packed, int64_t groups, int64_t block
     if (type == kQ4_1) groups_of<kQ4_1>(begin, end, packed, blocks, q, dxt.data(), sxt.data(), m, bias, y, n);
     if (type == kQ8_0) groups_of<kQ8_0>(begin, end, packed, blocks, q, dxt.data(), sxt.data(), m, bias, y, n);
   });
-#endif
 }
+#else
+// Builds below AVX-512 have no AMX path: amx_takes is false there.
+void amx_gemm(int64_t, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
+              const float*, float*, int64_t) {}
+#endif
 
 }  // namespace kvsentry_int8
 
