@@ -16,9 +16,10 @@ import torch
 from engine.models.int8_reference import int8_gemm_reference
 from engine.ops import registry
 from engine.ops.cpu_ops import cpu_flags
-from tests.csrc.test_int8_gemm import TYPES, blocks
+from tests.csrc.test_int8_gemm import blocks
 
 Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # the formats the tiles take (others run the VNNI kernel alone)
 # (N, K): odd N and partial groups of 16, one pair of groups and a lone last group, K of 1, 3, 5
 # and 48 blocks (the kernel takes K in chunks of 4 blocks).
 SHAPES = [(16, 32), (37, 96), (200, 160), (576, 1536)]
