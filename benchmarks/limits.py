@@ -7,8 +7,9 @@ Measures, on one thread:
     bound of a weight-streaming step;
   - GEMM peak: the model's four layer GEMMs (q|k|v, o, gate|up, down) packed as the engine runs
     them (cpu_gemm.PackedLinear), at 256 and 1024 rows, in GFLOP/s;
-  - int8 multiply-add rate: the int8-activation GEMM (vpdpbusd) on the same shapes as Q8_0
-    blocks at 256 rows, in GMAC/s (where AVX512-VNNI is there);
+  - int8 multiply-add rate: the int8-activation GEMM (AMX-INT8 tiles where the CPU has them, else
+    vpdpbusd) on the same shapes as Q8_0 blocks at 256 rows, in GMAC/s (where AVX512-VNNI is
+    there), and the AMX-INT8 tile peak: tdpbssd back to back on resident tiles (where AMX-INT8 is);
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
     weights read per second at batch 1 -- the bytes its linears hold as the step reads them: the
     GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu/cpu_quant_panels.h), else the
@@ -68,6 +69,16 @@ def int8_peak(model, rows: int) -> float | None:  # int8 multiply-adds/s over th
     return macs / best(lambda: [gemm(x, w, None, s[0]) for x, w, s in zip(inputs, packed, shapes)])
 
 
+def amx_int8_tile_peak() -> float | None:  # int8 multiply-adds/s of one core's AMX tiles
+    """tdpbssd on resident 16 x 64-byte tiles, back to back (csrc/cpu/cpu_int8_gemm_amx.cpp, the
+    test build's int8_amx_tile_peak): the arithmetic ceiling of the int8 path on an AMX core;
+    None where there is no AMX-INT8."""
+    from engine.ops import registry
+    if not registry.available("int8_gemm", "cpu") or "amx_int8" not in registry.op("int8_gemm_kernels")():
+        return None
+    return max(registry.debug_ops().int8_amx_tile_peak(200000) for _ in range(3))
+
+
 def decode_seconds(llm, batch: int, vocab: int, low: int, seed: int) -> float:
     from engine import SamplingParams
     from engine.messages import EngineRequest
@@ -94,6 +105,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the JSON here instead of benchmarks/results/")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from engine.ops import registry
+    registry.debug_ops()  # the test build (the engine's ops and int8_amx_tile_peak), before the engine loads one
     from engine import LLM
     path = bench_checkpoint(args.model)
     low, vocab = prompt_token_range(path)
@@ -124,6 +137,7 @@ def main() -> None:
     bandwidth = memory_bandwidth()
     peaks = {rows: gemm_peak(model, rows, dtype) for rows in (256, 1024)}
     int8_macs = int8_peak(model, 256)
+    tile_peak = amx_int8_tile_peak()
     step1 = decode_seconds(llm, 1, vocab, low, seed=1)
     step64 = decode_seconds(llm, 64, vocab, low, seed=2)
 
@@ -138,6 +152,9 @@ def main() -> None:
     if int8_macs is not None:
         print(f"int8 multiply-add rate (int8 GEMM, the model's layer shapes as Q8_0, 256 rows): "
               f"{int8_macs / 1e9:.0f} GMAC/s = {2 * int8_macs / 1e9:.0f} GOP/s")
+    if tile_peak is not None:
+        print(f"AMX-INT8 tile peak (tdpbssd on resident tiles, 1 thread): {tile_peak / 1e9:.0f} GMAC/s; "
+              f"batch 64 decode reaches {64 * flop_per_token / 2 / step64 / tile_peak:.1%} of it")
     best_peak = max(peaks.values())
     print(f"batch 64 decode: {step64 * 1e3:.1f} ms/step -> {64 * flop_per_token / step64 / 1e9:.0f} GFLOP/s "
           f"= {64 * flop_per_token / step64 / best_peak:.0%} of the GEMM peak ({64 / step64:.0f} tok/s)")
@@ -153,7 +170,10 @@ def main() -> None:
         "batch64_share_of_gemm_peak": round(64 * flop_per_token / step64 / best_peak, 3),
         "int8_gemm_gmac_s_256_rows": None if int8_macs is None else round(int8_macs / 1e9, 1),
         "batch64_share_of_int8_rate": None if int8_macs is None else round(
-            64 * flop_per_token / 2 / step64 / int8_macs, 3)}, args.json)
+            64 * flop_per_token / 2 / step64 / int8_macs, 3),
+        "amx_int8_tile_peak_gmac_s": None if tile_peak is None else round(tile_peak / 1e9, 1),
+        "batch64_share_of_amx_int8_tile_peak": None if tile_peak is None else round(
+            64 * flop_per_token / 2 / step64 / tile_peak, 4)}, args.json)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-// What the AMX kernels (cpu_bf16_gemm.cpp, cpu_attention_amx.cpp) share: whether this CPU and
-// process may use AMX-BF16, and the tile configuration they load.
+// What the AMX kernels (cpu_bf16_gemm.cpp, cpu_attention_amx.cpp, cpu_int8_gemm_amx.cpp) share:
+// whether this CPU and process may use AMX-BF16 or AMX-INT8, and the tile configuration they load.
 #pragma once
 
 #include <cstdint>
@@ -15,21 +15,34 @@
 namespace kvsentry_amx {
 
 #if defined(__AVX512F__)
-// The CPU flags, and the permission to use the tile data state: Linux grants it per process on
-// request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN makes the same request.
-inline bool supported() {
-  static const bool has = [] {
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16") ||
-        !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
-      return false;
-    }
+// The permission to use the tile data state: Linux grants it per process on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN makes the same request.
+inline bool tile_data_permitted() {
+  static const bool permitted = [] {
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
+  return permitted;
+}
+
+// AMX-BF16: the CPU flags, and the permission.
+inline bool supported() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                          tile_data_permitted();
+  return has;
+}
+
+// AMX-INT8 (and the AVX512-VNNI its callers quantize and scale with): the CPU flags, and the permission.
+inline bool int8_supported() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("amx-tile") &&
+                          __builtin_cpu_supports("amx-int8") && tile_data_permitted();
   return has;
 }
 #else
 inline bool supported() { return false; }  // builds capped below AVX-512 leave AMX to oneDNN
+inline bool int8_supported() { return false; }
 #endif
 
 // Palette 1, every tile 64 bytes wide; rows[t] rows in tile t.
@@ -46,6 +59,10 @@ struct alignas(64) TileConfig {
       colsb[t] = 64;
       rows[t] = static_cast<uint8_t>(tile_rows[t]);
     }
+  }
+  // Tile t: tile_rows[t] rows of tile_bytes[t] bytes.
+  TileConfig(const int64_t (&tile_rows)[8], const int64_t (&tile_bytes)[8]) : TileConfig(tile_rows) {
+    for (int t = 0; t < 8; ++t) colsb[t] = static_cast<uint16_t>(tile_bytes[t]);
   }
 };
 

@@ -33,6 +33,8 @@
 // first, of K = 16 + 4c + j in the second): 3360 bytes, 0.8203 per weight, as the file.
 // One vpdpbusd then adds 4 products for 16 outputs; a tile of 2 groups x 4 batch rows reuses
 // each weight vector 4 times and each activation broadcast twice.
+// On CPUs with AMX-INT8, batches of Q4_0 / Q4_1 / Q8_0 from a few rows up take the same blocks
+// on tiles instead (cpu_int8_gemm_amx.cpp), to the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -43,6 +45,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "cpu_amx.h"
+#include "cpu_int8_gemm_amx.h"
 
 #include <algorithm>
 #include <cmath>
@@ -474,8 +479,9 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   Tensor y = at::empty({m, n}, x.options());
 #if defined(__AVX512F__)
   if (m > 0) {
-    // [M, K] int8 quants, then [M, blocks] dx, sum, sx.
-    std::vector<int8_t> q(static_cast<size_t>(m * k));
+    // [M, K] int8 quants (on a cache line, and M rounded up to 16 with rows of zeros: the AMX
+    // path's tiles read 16 rows), then [M, blocks] dx, sum, sx.
+    kvsentry_amx::TileBuffer<int8_t> q(static_cast<size_t>((m + 15) / 16 * 16 * k));
     std::vector<float> dx(static_cast<size_t>(m * blocks)), sx(dx.size());
     std::vector<int32_t> sum(dx.size()), half(dx.size());
     std::vector<QuantRow> rows(static_cast<size_t>(m));
@@ -490,6 +496,11 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* out = y.data_ptr<float>();
+    // Larger batches on AMX-INT8 tiles where the CPU has them (cpu_int8_gemm_amx.cpp): the same bits.
+    if (kvsentry_int8::amx_takes(type, m)) {
+      kvsentry_int8::amx_gemm(type, w, groups, blocks, q.data(), dx.data(), sx.data(), m, b, out, n);
+      return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+    }
     if (type == kQ4_0) gemm_type<kQ4_0>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ4_1) gemm_type<kQ4_1>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ8_0) gemm_type<kQ8_0>(w, groups, blocks, rows.data(), m, b, out, n);

@@ -74,7 +74,7 @@ class Int8Blocks:
             self._gemm = registry.op(OP)
         else:
             self.blocks = rows.data
-        implementation = registry.kernel_for(OP, "cpu").label if self.kernel else TORCH_REFERENCE
+        implementation = registry.label(registry.kernel_for(OP, "cpu")) if self.kernel else TORCH_REFERENCE
         self.path = f"int8_gemm({implementation}) on {TYPE_NAMES[self.ggml_type]} blocks"
 
     @property

@@ -24,7 +24,7 @@ def op_implementations(device: str | torch.device) -> dict[str, str]:
     out = {}
     for op in registry.OPS:
         kernel = registry.kernel_for(op, device)
-        out[op] = kernel.label if kernel is not None and registry.runs(kernel) else registry.fallback_of(op)
+        out[op] = registry.label(kernel) if kernel is not None and registry.runs(kernel) else registry.fallback_of(op)
     return out
 
 
@@ -41,7 +41,7 @@ def falling_back(implementations: dict[str, str], device: str | torch.device) ->
     slow = []
     for name, implementation in implementations.items():
         kernel = registry.kernel_for(name, device_type) if name in registry.OPS else None
-        if kernel is not None and implementation != kernel.label:
+        if kernel is not None and implementation != registry.label(kernel):
             slow.append(name)
         elif (name == CUDA_GRAPHS and device_type == "cuda" and implementation != GRAPHS_ON
               and "--enforce-eager" not in implementation):

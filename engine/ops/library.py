@@ -8,7 +8,8 @@ a machine pays for it (an flock serialises DP ranks and concurrent starts).
 Flavours: "cpu" (the CPU and Meta implementations), "cuda" (those and the CUDA writers), and
 either with `debug`: the same kernels plus the `kvsentry_debug` op namespace (test switches
 and introspection, csrc/common/debug_switch.h), which only the test suite and
-benchmarks/bf16_gemm.py load. A process holds one library: one TORCH_LIBRARY(kvsentry).
+benchmarks/bf16_gemm.py, int8_gemm.py and limits.py load. A process holds one library: one
+TORCH_LIBRARY(kvsentry).
 
 Environment (engine/envs.py):
   KVSENTRY_EXTENSION_DIR    build cache root (default ~/.cache/kvsentry/torch_extensions)

@@ -44,6 +44,7 @@ class Kernel:
     fallback: str               # the implementation that runs where this kernel does not
     label: str = "cpu_kernel"   # the implementation, where it runs
     probe: str | None = None    # a schema of () -> bool: whether this CPU (and build) runs it
+    kernels: str | None = None  # a schema of () -> str[]: the kernels it picks from on this CPU, named in the label
 
 
 # Every library build carries these: the schemas, checks and CPU/CUDA/Meta dispatch of the writers.
@@ -84,10 +85,12 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("quant_panels", "cpu", ("cpu/cpu_quant_panels.cpp",),
            ("quant_panels_pack", "quant_panels_unpack", "quant_panels_supported"), ONEDNN),
     # GGUF linears with int8 activations against their Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks
-    # (AVX512-VNNI; engine/models/int8_linear.py); elsewhere engine/models/int8_reference.py, the same bits.
-    Kernel("int8_gemm", "cpu", ("cpu/cpu_int8_gemm.cpp",),
-           ("int8_gemm_pack", "int8_gemm", "int8_gemm_supported", "int8_gemm_parts"),
-           TORCH_REFERENCE, label="cpu_kernel(avx512_vnni)", probe="int8_gemm_supported"),
+    # (AVX512-VNNI, and AMX-INT8 tiles for larger batches of Q4_0/Q4_1/Q8_0;
+    # engine/models/int8_linear.py); elsewhere engine/models/int8_reference.py, the same bits.
+    # Labelled e.g. "cpu_kernel(amx_int8+avx512_vnni)".
+    Kernel("int8_gemm", "cpu", ("cpu/cpu_int8_gemm.cpp", "cpu/cpu_int8_gemm_amx.cpp"),
+           ("int8_gemm_pack", "int8_gemm", "int8_gemm_supported", "int8_gemm_parts", "int8_gemm_kernels"),
+           TORCH_REFERENCE, probe="int8_gemm_supported", kernels="int8_gemm_kernels"),
 )
 OPS: tuple[str, ...] = tuple(dict.fromkeys(kernel.op for kernel in KERNELS))
 SCHEMAS: frozenset[str] = frozenset(name for kernel in KERNELS for name in kernel.schemas)
@@ -195,6 +198,14 @@ def runs(kernel: Kernel) -> bool:
 @functools.cache
 def _registered(kernel: Kernel) -> bool:  # asked once the library is loaded: it cannot change after
     return all(has(name) for name in kernel.schemas) and (kernel.probe is None or bool(op(kernel.probe)()))
+
+
+def label(kernel: Kernel) -> str:
+    """What the metric and the log call a row that runs: its label, followed by the kernels it
+    picks from on this CPU where it names them ("cpu_kernel(amx_int8+avx512_vnni)")."""
+    if kernel.kernels is None or not runs(kernel):
+        return kernel.label
+    return f"{kernel.label}({'+'.join(op(kernel.kernels)())})"
 
 
 def available(op_name: str, device: str | torch.device) -> bool:

@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import int8_linear
 from engine.models.cpu_gemm import PackedLinear, linear_paths
+from engine.ops.cpu_ops import cpu_flags
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -53,8 +54,10 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
                for p in linears)
     assert all(p.int8.blocks.dtype == torch.uint8 for p in linears)
     paths = linear_paths(llm.engine.runner.model)
-    assert paths["linear.qkv"] == "int8_gemm(cpu_kernel(avx512_vnni)) on q4_0 blocks"
-    assert paths["linear.lm_head"] == "int8_gemm(cpu_kernel(avx512_vnni)) on q8_0 blocks"
+    # "amx_int8+avx512_vnni" on CPUs with AMX-INT8 (larger batches on tiles), else "avx512_vnni".
+    kernels = "amx_int8+avx512_vnni" if "amx_int8" in cpu_flags() else "avx512_vnni"
+    assert paths["linear.qkv"] == f"int8_gemm(cpu_kernel({kernels})) on q4_0 blocks"
+    assert paths["linear.lm_head"] == f"int8_gemm(cpu_kernel({kernels})) on q8_0 blocks"
     got = llm.generate(PROMPTS, PARAMS)
     llm.close()
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: False)
