@@ -29,12 +29,20 @@ def kernel_runs() -> bool:
     return registry.available(OP, "cpu")
 
 
-def int8_activations(setting: str, device: str) -> bool:
+def bf16_tiles_run(dtype: torch.dtype) -> bool:
+    """Whether the exact path's bf16 linears run on AMX tiles here (bf16_gemm's "amx" kernel)."""
+    return (dtype == torch.bfloat16 and registry.available("bf16_gemm", "cpu")
+            and "amx" in registry.op("bf16_gemm_kernels")())
+
+
+def int8_activations(setting: str, device: str, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a GGUF checkpoint's quantized linears take this path, for --quantized-activations
-    `setting` on `device`."""
+    `setting` on `device` in `dtype`. "auto": where the kernel runs, unless the exact path's bf16
+    linears run on AMX tiles, which beat int8 from 16 rows up (per-block scaling bounds the
+    int8 tiles, docs/kernels.md): there the exact weights are both faster at concurrency and exact."""
     if device != "cpu" or setting == "none":
         return False
-    return setting == "int8" or kernel_runs()
+    return setting == "int8" or (kernel_runs() and not bf16_tiles_run(dtype))
 
 
 def takes(rows: QuantRows | Sequence[QuantRows] | None, out_features: int, in_features: int) -> bool:

@@ -62,7 +62,8 @@ def load_model(config: EngineConfig) -> nn.Module:
         model = build_model(config)
     quantized: dict[str, QuantRows] = {}
     # The GGUF linears multiply with int8 activations (engine/models/int8_linear.py).
-    int8 = is_gguf_path(path) and int8_activations(config.quantized_activations, config.device)
+    int8 = is_gguf_path(path) and int8_activations(config.quantized_activations, config.device,
+                                                             config.model.dtype)
     blocks_only = blocks_only_weights(model) if int8 else frozenset()
     if is_gguf_path(path):
         # One bar per machine is enough: DP rank 0 draws it, on a terminal only.

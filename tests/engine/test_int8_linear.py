@@ -46,7 +46,7 @@ def _llm(q4_0_file, **kwargs) -> LLM:
 def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch):
     if not int8_linear.kernel_runs():
         pytest.skip("no AVX512-VNNI here: the reference alone runs")
-    llm = _llm(q4_0_file, quantized_activations="auto")  # auto: int8 where the kernel runs
+    llm = _llm(q4_0_file, quantized_activations="auto", dtype="float32")  # auto: int8 where the kernel runs
     linears = _packed(llm)
     assert all(p.int8 is not None and p.int8.kernel for p in linears)
     # The blocks are the only copy: no panels, no oneDNN weight, no W^T.
@@ -61,7 +61,7 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
     got = llm.generate(PROMPTS, PARAMS)
     llm.close()
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: False)
-    reference = _llm(q4_0_file, quantized_activations="int8")
+    reference = _llm(q4_0_file, quantized_activations="int8", dtype="float32")
     assert all(p.int8 is not None and not p.int8.kernel for p in _packed(reference))
     assert linear_paths(reference.engine.runner.model)["linear.qkv"] == "int8_gemm(torch_reference) on q4_0 blocks"
     want = reference.generate(PROMPTS, PARAMS)
@@ -151,3 +151,8 @@ def test_auto_follows_the_kernel(monkeypatch):
     assert not int8_linear.int8_activations("auto", "cpu")
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: True)
     assert int8_linear.int8_activations("auto", "cpu")
+    assert int8_linear.int8_activations("auto", "cpu", torch.bfloat16) == (not int8_linear.bf16_tiles_run(torch.bfloat16))
+    monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
+    assert not int8_linear.int8_activations("auto", "cpu", torch.bfloat16)  # AMX bf16: the exact weights
+    assert int8_linear.int8_activations("auto", "cpu", torch.float32)
+    assert int8_linear.int8_activations("int8", "cpu", torch.bfloat16)
