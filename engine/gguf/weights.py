@@ -140,7 +140,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 class _Converter:
     def __init__(self, gguf: GGUFFile, hf: dict[str, Any], wants: Wants, quantized: dict[str, QuantRows] | None,
-                 blocks_only: Wants):
+                 blocks_only: Callable[[str, int], bool]):
         self.gguf, self.hf, self.wants, self.quantized = gguf, hf, wants, quantized
         self.blocks_only = blocks_only
         self.architecture = hf["architectures"][0]
@@ -194,7 +194,7 @@ class _Converter:
         if data.shape != rows.data.shape:  # not a row permutation: the dense tensor it is
             return False
         self.quantized[name] = QuantRows(rows.ggml_type, rows.k, data.contiguous())
-        return rows.ggml_type in INT8_TYPES and self.blocks_only(name)
+        return rows.ggml_type in INT8_TYPES and self.blocks_only(name, rows.ggml_type)
 
     def _fix_layout(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.permuted and key == "attn_q":
@@ -216,11 +216,12 @@ class _Converter:
 
 def gguf_weights(gguf: GGUFFile, hf: dict[str, Any], wants: Wants, progress: bool = False,
                  quantized: dict[str, QuantRows] | None = None,
-                 blocks_only: Wants = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
+                 blocks_only: Callable[[str, int], bool] = lambda name, ggml_type: False
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor `wants` accepts, dequantized one at a time;
     a tqdm bar on stderr when `progress`. With `quantized`, also the blocks of each 2-D tensor of
     PANEL_TYPES or INT8_TYPES, by HF name, for the GEMMs that multiply by them
-    (engine/models/cpu_gemm.py); a tensor of INT8_TYPES that `blocks_only` names is then only
+    (engine/models/cpu_gemm.py); a tensor of INT8_TYPES for which `blocks_only(name, GGML type)` holds is then only
     recorded there, never dequantized (the int8 path needs no dense copy: a 4-bit file stays
     about its own size in memory while it loads)."""
     converter = _Converter(gguf, hf, wants, quantized, blocks_only)

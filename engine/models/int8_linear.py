@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.gguf.weights import QuantRows
+from engine.gguf.weights import PANEL_TYPES, QuantRows
 from engine.memory.huge_pages import to_huge_pages
 from collections.abc import Sequence
 
@@ -35,14 +35,26 @@ def bf16_tiles_run(dtype: torch.dtype) -> bool:
             and "amx" in registry.op("bf16_gemm_kernels")())
 
 
-def int8_activations(setting: str, device: str, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a GGUF checkpoint's quantized linears take this path, for --quantized-activations
-    `setting` on `device` in `dtype`. "auto": where the kernel runs, unless the exact path's bf16
-    linears run on AMX tiles, which beat int8 from 16 rows up (per-block scaling bounds the
-    int8 tiles, docs/kernels.md): there the exact weights are both faster at concurrency and exact."""
+def int8_formats(setting: str, device: str, dtype: torch.dtype = torch.float32) -> frozenset[int]:
+    """The GGML types whose linears take this path, for --quantized-activations `setting` on
+    `device` in `dtype`. "auto": all of them where the kernel runs, except, where the exact path's
+    bf16 linears run on AMX tiles, the types those tiles multiply from their blocks (Q4_1, Q8_0:
+    PANEL_TYPES): there the exact weights beat int8 from 16 rows up (per-block scaling bounds the
+    int8 tiles, docs/kernels.md) at a third of bf16's bytes. The other types (Q4_0, Q5_0, the
+    K-quants) would run there on dense bf16, 3-4x the file's bytes and half int8's speed at one
+    request, so they take int8."""
     if device != "cpu" or setting == "none":
-        return False
-    return setting == "int8" or (kernel_runs() and not bf16_tiles_run(dtype))
+        return frozenset()
+    if setting == "int8":
+        return INT8_TYPES
+    if not kernel_runs():
+        return frozenset()
+    return INT8_TYPES - PANEL_TYPES if bf16_tiles_run(dtype) else INT8_TYPES
+
+
+def int8_activations(setting: str, device: str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether any of a GGUF checkpoint's quantized linears may take this path (int8_formats)."""
+    return bool(int8_formats(setting, device, dtype))
 
 
 def takes(rows: QuantRows | Sequence[QuantRows] | None, out_features: int, in_features: int) -> bool:

@@ -21,7 +21,7 @@ from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.weights import QuantRows, gguf_weights
 from engine.memory.host_memory import release_freed_memory
 from engine.models.block_embedding import BlockEmbedding
-from engine.models.int8_linear import int8_activations
+from engine.models.int8_linear import int8_formats
 from engine.models.layers import Linear
 from engine.models.registry import build_model
 
@@ -62,15 +62,16 @@ def load_model(config: EngineConfig) -> nn.Module:
         model = build_model(config)
     quantized: dict[str, QuantRows] = {}
     # The GGUF linears multiply with int8 activations (engine/models/int8_linear.py).
-    int8 = is_gguf_path(path) and int8_activations(config.quantized_activations, config.device,
-                                                             config.model.dtype)
-    blocks_only = blocks_only_weights(model) if int8 else frozenset()
+    formats = (int8_formats(config.quantized_activations, config.device, config.model.dtype)
+               if is_gguf_path(path) else frozenset())
+    int8 = bool(formats)
+    linears = blocks_only_weights(model) if int8 else frozenset()
     if is_gguf_path(path):
         # One bar per machine is enough: DP rank 0 draws it, on a terminal only.
         progress = sys.stderr.isatty() and config.parallel.data_parallel_rank == 0
         keep = quantized if config.device == "cpu" and (int8 or not envs.disable_quant_panels()) else None
         weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress, keep,
-                               blocks_only.__contains__)
+                               lambda name, ggml_type: name in linears and ggml_type in formats)
     else:
         weights = safetensors_weights(path, model)
     loaded: set[str] = set()
@@ -78,18 +79,20 @@ def load_model(config: EngineConfig) -> nn.Module:
         model.load_weight(name, tensor)
         loaded.add(name)
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name in blocks_only & quantized.keys():  # its blocks are the weight: no dense copy
-        if name not in loaded:
+    for name, rows in quantized.items():  # its blocks are the weight: no dense copy
+        if name in linears and rows.ggml_type in formats and name not in loaded:
             shape_only(params[name], config.model.dtype)
             loaded.add(name)
     missing = model.missing_weights(loaded)  # names as the checkpoint spells them
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
     model = model.to(config.model.dtype).eval()
-    attach_quant_rows(model, {name: dataclasses.replace(rows, int8_activations=int8) for name, rows in quantized.items()})
+    attach_quant_rows(model, {name: dataclasses.replace(rows, int8_activations=rows.ggml_type in formats)
+                              for name, rows in quantized.items()})
     model.prepare_for_inference()
-    if int8:
-        keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"), config.model.dtype)
+    embedding = quantized.get("model.embed_tokens.weight")
+    if embedding is not None and embedding.ggml_type in formats:
+        keep_embedding_blocks(model, embedding, config.model.dtype)
     del quantized, weights
     release_freed_memory()
     logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),

@@ -21,6 +21,7 @@ from engine.gguf.reader import read_gguf
 from engine.gguf.weights import gguf_weights
 from engine.models import int8_linear
 from engine.models.cpu_gemm import linear_paths
+from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -83,9 +84,7 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypat
     assert all(p.int8 is not None and not p.int8.kernel for p in _linears(reference))
     want = reference.generate(PROMPTS, PARAMS)
     reference.close()
-    for ref, out in zip(want, got):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert_same_bits(want, got)
 
 
 def test_the_fused_layer_stack_serves_the_loops_bits(q4_k_m_file):
@@ -93,17 +92,7 @@ def test_the_fused_layer_stack_serves_the_loops_bits(q4_k_m_file):
     Python loop's bits."""
     if not int8_linear.kernel_runs():
         pytest.skip("no AVX512-VNNI here: the reference runs in the loop")
-    fused = _llm(q4_k_m_file, quantized_activations="int8")
-    assert fused.engine.runner.model.model.fused is not None
-    got = fused.generate(PROMPTS, PARAMS)
-    fused.close()
-    loop = _llm(q4_k_m_file, quantized_activations="int8", enforce_eager=True)
-    assert loop.engine.runner.model.model.fused is None
-    want = loop.generate(PROMPTS, PARAMS)
-    loop.close()
-    for ref, out in zip(want, got):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert_fused_stack_matches_loop(lambda **kw: _llm(q4_k_m_file, **kw), PROMPTS, PARAMS)
 
 
 def test_weights_stay_in_their_blocks(q4_k_m_file):
@@ -152,9 +141,7 @@ def test_none_is_the_dequantized_model_and_int8_is_close(q4_k_m_file, tmp_path):
     want = hf_model.generate(PROMPTS, PARAMS)
     hf_model.close()
     got = exact.generate(PROMPTS, PARAMS)
-    for ref, out in zip(want, got):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert_same_bits(want, got)
     # A text of the exact model's own (sampled, so not only its top choices), teacher-forced.
     text = exact.generate([[7, 3, 11]], SamplingParams(temperature=1.0, seed=5, max_tokens=150, ignore_eos=True))
     tokens = [7, 3, 11] + text[0].outputs[0].token_ids

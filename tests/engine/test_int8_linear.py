@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.models import int8_linear
 from engine.models.cpu_gemm import PackedLinear, linear_paths
 from engine.ops.cpu_ops import cpu_flags
+from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -66,26 +67,14 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
     assert linear_paths(reference.engine.runner.model)["linear.qkv"] == "int8_gemm(torch_reference) on q4_0 blocks"
     want = reference.generate(PROMPTS, PARAMS)
     reference.close()
-    for ref, out in zip(want, got):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert_same_bits(want, got)
 
 
 def test_the_fused_layer_stack_serves_the_loops_bits(q4_0_file):
     """The layers as one csrc op call the int8 kernel as the Python loop does: the same bits."""
     if not int8_linear.kernel_runs():
         pytest.skip("no AVX512-VNNI here: the reference runs in the loop")
-    fused = _llm(q4_0_file)
-    assert fused.engine.runner.model.model.fused is not None
-    got = fused.generate(PROMPTS, PARAMS)
-    fused.close()
-    loop = _llm(q4_0_file, enforce_eager=True)
-    assert loop.engine.runner.model.model.fused is None
-    want = loop.generate(PROMPTS, PARAMS)
-    loop.close()
-    for ref, out in zip(want, got):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert_fused_stack_matches_loop(lambda **kw: _llm(q4_0_file, **kw), PROMPTS, PARAMS)
 
 
 def test_weights_stay_in_their_blocks(q4_0_file):
@@ -151,8 +140,30 @@ def test_auto_follows_the_kernel(monkeypatch):
     assert not int8_linear.int8_activations("auto", "cpu")
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: True)
     assert int8_linear.int8_activations("auto", "cpu")
-    assert int8_linear.int8_activations("auto", "cpu", torch.bfloat16) == (not int8_linear.bf16_tiles_run(torch.bfloat16))
+    assert int8_linear.int8_formats("auto", "cpu") == int8_linear.INT8_TYPES
+    # Where bf16 runs on AMX tiles, Q4_1 and Q8_0 keep the exact weights (the tiles multiply from
+    # their blocks, faster from 16 rows up); Q4_0, Q5_0 and the K-quants still take int8.
     monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
-    assert not int8_linear.int8_activations("auto", "cpu", torch.bfloat16)  # AMX bf16: the exact weights
-    assert int8_linear.int8_activations("auto", "cpu", torch.float32)
+    assert int8_linear.int8_formats("auto", "cpu", torch.bfloat16) == {Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
+    assert int8_linear.int8_formats("auto", "cpu", torch.float32) == int8_linear.INT8_TYPES
+    assert int8_linear.int8_formats("int8", "cpu", torch.bfloat16) == int8_linear.INT8_TYPES
     assert int8_linear.int8_activations("int8", "cpu", torch.bfloat16)
+
+
+def test_auto_beside_bf16_tiles_splits_by_format(q4_0_file, monkeypatch):
+    """Where bf16 runs on AMX tiles, auto multiplies the Q4_0 linears with int8 activations and
+    leaves the Q8_0 LM head and embedding on the exact weights: each linear's own path, and the
+    exact ones dense (dequantized), not shape-only."""
+    if not int8_linear.kernel_runs():
+        pytest.skip("no AVX512-VNNI here: auto takes no int8")
+    monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
+    llm = _llm(q4_0_file, quantized_activations="auto", dtype="bfloat16")
+    model = llm.engine.runner.model
+    paths = linear_paths(model)
+    assert paths["linear.qkv"].startswith("int8_gemm(") and paths["linear.qkv"].endswith("on q4_0 blocks")
+    assert "int8" not in paths["linear.lm_head"]
+    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+    assert model.model.embed_tokens.weight.untyped_storage().nbytes() == model.model.embed_tokens.weight.numel() * 2
+    out = llm.generate(PROMPTS, PARAMS)
+    llm.close()
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in out)

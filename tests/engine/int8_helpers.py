@@ -1,0 +1,27 @@
+"""What the int8-path tests (test_int8_linear.py, test_int8_kquants.py) check alike."""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine import LLM
+
+
+def assert_same_bits(want, got) -> None:
+    """Two generate() results: the same tokens and the same log-probs, to the bit."""
+    assert len(want) == len(got)
+    for ref, out in zip(want, got):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def assert_fused_stack_matches_loop(make_llm: Callable[..., LLM], prompts, params) -> None:
+    """The layers as one csrc op (engine/models/fused_stack.py) give the Python loop's bits."""
+    fused = make_llm(quantized_activations="int8")
+    assert fused.engine.runner.model.model.fused is not None
+    got = fused.generate(prompts, params)
+    fused.close()
+    loop = make_llm(quantized_activations="int8", enforce_eager=True)
+    assert loop.engine.runner.model.model.fused is None
+    want = loop.generate(prompts, params)
+    loop.close()
+    assert_same_bits(want, got)
