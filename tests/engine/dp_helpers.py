@@ -117,13 +117,16 @@ def drain(engine, collected: Collected, ids: Iterable[str], timeout: float = 120
         collected.feed(engine.step(timeout=0.5))
 
 
-def wait_stats(engine, predicate, timeout: float = 30.0, what: str = "stats") -> None:
-    """Step (heartbeats carry stats) until predicate(engine.stats) holds."""
+def wait_stats(engine, predicate, timeout: float = 30.0, what: str = "stats", sink=None) -> None:
+    """Step (heartbeats carry stats) until predicate(engine.stats) holds; the outputs those steps
+    bring go to `sink` where one is given (else they are dropped)."""
     deadline = time.monotonic() + timeout
     while not predicate(engine.stats):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}: {engine.stats}")
-        engine.step(timeout=0.2)
+        outputs = engine.step(timeout=0.2)
+        if sink is not None:
+            sink(outputs)
 
 
 def request(rid: str, prompt: list[int], params: SamplingParams = GREEDY16) -> EngineRequest:

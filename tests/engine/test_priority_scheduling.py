@@ -331,19 +331,23 @@ def test_dp_ranks_each_order_their_own_queue(checkpoint):
         for i, (rid, priority) in enumerate([("batch0", 10), ("batch1", 10), ("interactive", 0)], start=1):
             engine.add_request(EngineRequest(rid, prompts[i], short, priority=priority), rank=0)
         engine.add_request(EngineRequest("other", prompts[4], short, priority=7), rank=1)
-        # Rank 0 reports its waiting work as it is, priorities or not.
+        collected, first_token = Collected(), []
+
+        def collect(outputs) -> None:
+            first_token.extend(out.request_id for out in outputs
+                               if out.new_token_ids and out.request_id not in collected.tokens)
+            collected.feed(outputs)
+
+        # Rank 0 reports its waiting work as it is, priorities or not. (Rank 1's "other" may end
+        # meanwhile: its outputs are kept.)
         wait_stats(engine, lambda st: 0 in st and (st[0].num_running, st[0].num_waiting) == (1, 3),
-                   what="rank 0 running 1 and waiting 3")
+                   what="rank 0 running 1 and waiting 3", sink=collect)
         assert engine.state.waiting[0] == 3  # the front end's count: priorities do not change routing
         engine.abort(["blocker"])  # the slot frees: rank 0 admits from its queue, best first
-        collected, first_token = Collected(), []
         deadline = time.monotonic() + 120
         while len(collected.finish) < 5:
             assert time.monotonic() < deadline, f"not drained: {collected.finish}"
-            outputs = engine.step(timeout=0.5)
-            first_token += [out.request_id for out in outputs
-                            if out.new_token_ids and out.request_id not in collected.tokens]
-            collected.feed(outputs)
+            collect(engine.step(timeout=0.5))
         assert collected.finish.pop("blocker") == "abort"
         assert set(collected.finish.values()) == {"length"}
         assert [rid for rid in first_token if rid not in ("blocker", "other")] == ["interactive", "batch0", "batch1"]
