@@ -68,7 +68,7 @@ Wants = Callable[[str], bool]
 # GGML types (Q4_1, Q8_0) whose blocks the CPU GEMMs multiply by directly (csrc/cpu/cpu_quant_panels.h).
 PANEL_TYPES = frozenset({3, 8})
 # GGML types (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) the int8-activation GEMM multiplies by
-# (engine/models/int8_reference.py; this package imports nothing of the models').
+# (engine/models/int8_reference.py, which takes this set; this package imports nothing of the models').
 INT8_TYPES = frozenset({2, 3, 6, 8, 12, 14})
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.gguf.weights import QuantRows
-from engine.models.int8_reference import INT8_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, weight_blocks
+from engine.models.int8_reference import INT8_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, block_values, weight_blocks
 
 
 def packed_blocks(packed: torch.Tensor,  # [ceil(vocab / 16), K / values, packed block bytes] uint8
@@ -98,7 +98,5 @@ class BlockEmbedding(nn.Module):
             quants, scales, minima = packed_blocks(self.blocks, ids, self.ggml_type)
         else:
             quants, scales, minima = weight_blocks(self.blocks[ids], self.ggml_type, self.embedding_dim)
-        values = scales[..., None] * quants  # [tokens, K / 32, 32]
-        if minima is not None:
-            values = values + minima[..., None]
+        values = block_values(quants, scales, minima)  # [tokens, K / B, B]
         return values.reshape(*input_ids.shape, self.embedding_dim).to(self.dtype)

@@ -71,7 +71,7 @@ import logging
 from engine import envs
 from engine.gguf.weights import PANEL_TYPES, QuantRows
 from engine.models.int8_linear import Int8Blocks, Int8Parts, blocks_of as int8_blocks_of, takes as int8_takes
-from engine.models.int8_reference import weight_blocks
+from engine.models.int8_reference import block_values, weight_blocks
 from engine.ops import cpu_ops, registry
 from engine.ops.registry import ONEDNN
 from engine.memory.huge_pages import to_huge_pages
@@ -283,10 +283,7 @@ def dense_weight(layer: torch.nn.Linear, rows: QuantRows | None) -> torch.Tensor
     weight = layer.weight
     if rows is None or weight.numel() == 0 or weight.stride() != (0, 0):
         return weight
-    quants, scales, minima = weight_blocks(rows.data, rows.ggml_type, rows.k)
-    values = scales[..., None] * quants
-    if minima is not None:
-        values = values + minima[..., None]
+    values = block_values(*weight_blocks(rows.data, rows.ggml_type, rows.k))
     return values.reshape(weight.shape).to(weight.dtype)
 
 

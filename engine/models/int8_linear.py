@@ -52,11 +52,6 @@ def int8_formats(setting: str, device: str, dtype: torch.dtype = torch.float32) 
     return INT8_TYPES - PANEL_TYPES if bf16_tiles_run(dtype) else INT8_TYPES
 
 
-def int8_activations(setting: str, device: str, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether any of a GGUF checkpoint's quantized linears may take this path (int8_formats)."""
-    return bool(int8_formats(setting, device, dtype))
-
-
 def takes(rows: QuantRows | Sequence[QuantRows] | None, out_features: int, in_features: int) -> bool:
     """Whether a linear of these blocks (or of these parts' blocks, its outputs in order) runs on this path."""
     if rows is None:

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.gguf.weights import INT8_TYPES  # the set the loader keeps blocks of: one list
+
 # GGML type ids of the formats this path multiplies by (gguf.GGMLQuantizationType).
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
-INT8_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K})
+assert INT8_TYPES == {Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K}
 BLOCK_K = 32
 # Values of one GGUF block: 32, or a K-quant's super-block of 256.
 GGUF_BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
@@ -129,6 +131,13 @@ def _gemm_blocks(raw: torch.Tensor, ggml_type: int, k: int
     quants, dw, mw = weight_blocks(raw, ggml_type, k)
     return quants, dw, mw, None
 
+
+
+def block_values(quants: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor | None) -> torch.Tensor:
+    """weight_blocks' parts -> the values ggml dequantizes them to, [N, K / B, B] float32:
+    scales * quants (+ minima), each product and sum one float32 rounding."""
+    values = scales[..., None] * quants
+    return values if minima is None else values + minima[..., None]
 
 def int8_gemm_reference(x: torch.Tensor,                  # [M, K] float32 or bf16
                         raw: torch.Tensor,                # [N, K / values * block bytes] uint8

@@ -133,13 +133,12 @@ def test_the_setting_is_validated(q4_0_file):
 
 
 def test_auto_follows_the_kernel(monkeypatch):
-    assert int8_linear.int8_activations("int8", "cpu")
-    assert not int8_linear.int8_activations("none", "cpu")
-    assert not int8_linear.int8_activations("int8", "cuda")
+    assert int8_linear.int8_formats("int8", "cpu") == int8_linear.INT8_TYPES
+    assert not int8_linear.int8_formats("none", "cpu")
+    assert not int8_linear.int8_formats("int8", "cuda")
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: False)
-    assert not int8_linear.int8_activations("auto", "cpu")
+    assert not int8_linear.int8_formats("auto", "cpu")
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: True)
-    assert int8_linear.int8_activations("auto", "cpu")
     assert int8_linear.int8_formats("auto", "cpu") == int8_linear.INT8_TYPES
     # Where bf16 runs on AMX tiles, Q4_1 and Q8_0 keep the exact weights (the tiles multiply from
     # their blocks, faster from 16 rows up); Q4_0, Q5_0 and the K-quants still take int8.
@@ -147,7 +146,6 @@ def test_auto_follows_the_kernel(monkeypatch):
     assert int8_linear.int8_formats("auto", "cpu", torch.bfloat16) == {Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
     assert int8_linear.int8_formats("auto", "cpu", torch.float32) == int8_linear.INT8_TYPES
     assert int8_linear.int8_formats("int8", "cpu", torch.bfloat16) == int8_linear.INT8_TYPES
-    assert int8_linear.int8_activations("int8", "cpu", torch.bfloat16)
 
 
 def test_auto_beside_bf16_tiles_splits_by_format(q4_0_file, monkeypatch):
