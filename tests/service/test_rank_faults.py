@@ -18,13 +18,15 @@ import pytest
 from tests.service.server_process import ServerProcess
 
 PROMPTS = [f"request {i}: the key value cache of" for i in range(24)]
-MAX_TOKENS = 200
+MAX_TOKENS = 300
 
 
 def start(path: str, log_dir, *flags: str) -> ServerProcess:
-    # Two running per rank: most of the 24 wait, so a death finds some unstarted (re-queued).
-    server = ServerProcess(path, "--served-model-name", "m", "--max-model-len", "256", "--threads", "1",
-                           "--max-num-seqs", "2",
+    # One running per rank: eleven wait, so a death finds some unstarted (re-queued); and each
+    # rank's 12 x 300 steps outlast the client's first streamed token, which on a loaded machine
+    # came after a tiny model had finished 12 x 200 tokens two at a time.
+    server = ServerProcess(path, "--served-model-name", "m", "--max-model-len", "400", "--threads", "1",
+                           "--max-num-seqs", "1",
                            "--enable-fault-injection", "--health-stall-timeout", "8", *flags,
                            log_dir=log_dir, api_key=None)
     try:
@@ -71,8 +73,8 @@ def run_load(server: ServerProcess, fault: dict | None, victim_pid: int | None =
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(greedy, client, p, i % 2 == 0, streaming) for i, p in enumerate(PROMPTS)]
         if fault is not None:
-            # Two run per rank and twelve wait: once one request streams, both ranks hold running
-            # and unstarted requests for hundreds of steps. (A server metric would lag: the ranks
+            # One runs per rank and eleven wait: once one request streams, both ranks hold running
+            # and unstarted requests for thousands of steps. (A server metric would lag: the ranks
             # report every half second, and a tiny model may finish the load within one.)
             assert streaming.wait(60), "no tokens streamed"
             response = httpx.post(f"{server.url}/debug/faults", json=fault, timeout=10)
