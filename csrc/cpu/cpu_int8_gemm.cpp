@@ -10,7 +10,11 @@
 //            Q4_1 (3), Q5_0 (6), Q8_0 (8) (blocks of 32 values), Q4_K (12) or Q6_K (14) (super-blocks
 //            of 256) -> [ceil(N / 16), K / values, block bytes'] uint8
 //   y = torch.ops.kvsentry.int8_gemm(x [M, K] float32 or bf16, packed, bias [N] or None, N) -> [M, N]
-//   torch.ops.kvsentry.int8_gemm_supported() -> bool  built with AVX-512 and the CPU has AVX512-VNNI
+//   torch.ops.kvsentry.int8_gemm_supported() -> bool  a vector kernel runs here: AVX512-VNNI (built
+//            with AVX-512 and the CPU has it), or else AVX-VNNI (cpu_int8_gemm_avx.cpp: the same
+//            packed blocks, the same bits, in 256-bit halves of a group)
+//   torch.ops.kvsentry_debug.int8_gemm_isa(str? isa) -> str   the test build's switch: run the
+//            "avx512_vnni" or "avx_vnni" kernel (one this CPU has), or "auto"; returns the one that runs
 //   y = torch.ops.kvsentry.int8_gemm_parts(x, parts, bias [N] or None, N) -> [M, N]: a linear whose
 //            outputs come in parts of different types (a q|k|v whose v is another format), each
 //            int8_gemm's: parts uint8 [bytes], a header of int64 (the count P, then per part its
@@ -47,25 +51,25 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_int8_gemm.h"
 #include "cpu_int8_gemm_amx.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace {
 
 using at::Tensor;
+using namespace kvsentry_int8::layout;
+using kvsentry_int8::QuantRow;
+using kvsentry_int8::VectorIsa;
 constexpr const char* kOp = "kvsentry::int8_gemm";
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;  // GGML type ids
-constexpr int64_t kBlockK = 32;
-constexpr int64_t kGroup = 16;  // outputs per packed group: one int32 lane each
-// Packed K-quant super-block: where its parts start (see the layout above).
-constexpr int64_t kQ4KScales = 64, kQ4KMins = 192, kQ4KQuants = 320, kQ4KBytes = 320 + 8 * 256;
-constexpr int64_t kQ6KScales = 32, kQ6KQuants = 288, kQ6KBlock = 384, kQ6KBytes = 288 + 8 * 384;
-
 int64_t gguf_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;
@@ -76,14 +80,6 @@ int64_t gguf_bytes(int64_t type) {
     case kQ6_K: return 210;
     default: return 0;
   }
-}
-int64_t block_values(int64_t type) { return type == kQ4_K || type == kQ6_K ? 256 : kBlockK; }
-int64_t scale_bytes(int64_t type) { return type == kQ4_1 ? 4 * kGroup : 2 * kGroup; }
-int64_t quant_vectors(int64_t type) { return type == kQ8_0 ? 8 : type == kQ5_0 ? 5 : 4; }
-int64_t packed_bytes(int64_t type) {
-  if (type == kQ4_K) return kQ4KBytes;
-  if (type == kQ6_K) return kQ6KBytes;
-  return scale_bytes(type) + 64 * quant_vectors(type);
 }
 int64_t type_of(int64_t bytes) {
   for (int64_t type : {kQ4_0, kQ4_1, kQ5_0, kQ8_0, kQ4_K, kQ6_K}) {
@@ -219,22 +215,6 @@ Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
 
 #if defined(__AVX512F__)
 #define KVS_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-
-bool supported() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
-}
-
-// The activations of one row, quantized per block: int8 quants, scale dx, the quants' sum and
-// sx = dx * sum (as int8_reference.quantize_activations), and the sum of the first 16 (Q6_K's
-// sub-blocks of 16).
-struct QuantRow {
-  int8_t* q;
-  float* dx;
-  int32_t* sum;
-  float* sx;
-  int32_t* half;
-};
 
 KVS_INT8_TARGET void quantize_row(const float* x, int64_t blocks, QuantRow out) {
   for (int64_t b = 0; b < blocks; ++b) {
@@ -451,12 +431,55 @@ void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const Quan
     }
   });
 }
-#else
-bool supported() { return false; }
 #endif
 
+// The 512-bit kernel where the CPU (and build) has AVX512-VNNI, else the 256-bit one where it has
+// AVX-VNNI (cpu_int8_gemm_avx.cpp), else none (the engine runs the torch reference).
+VectorIsa best_isa() {
+#if defined(__AVX512F__)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
+    return VectorIsa::kAvx512Vnni;
+  }
+#endif
+  return kvsentry_int8::avx_vnni_cpu() ? VectorIsa::kAvxVnni : VectorIsa::kNone;
+}
+
+#ifdef KVSENTRY_DEBUG_OPS
+// The test build's choice of vector kernel (kNone: the best), so that a CPU with both runs either.
+std::atomic<VectorIsa> g_forced{VectorIsa::kNone};
+
+// kvsentry_debug.int8_gemm_isa: "avx512_vnni" or "avx_vnni" runs that kernel (this CPU and build
+// must have it; AVX-VNNI alone takes no AMX tiles, as on a CPU without AVX-512), "auto" the best;
+// returns the kernel that runs.
+std::string choose_isa(std::optional<std::string> isa) {
+  if (isa.has_value()) {
+    VectorIsa chosen = VectorIsa::kNone;
+    if (*isa == "avx512_vnni") chosen = VectorIsa::kAvx512Vnni;
+    if (*isa == "avx_vnni") chosen = VectorIsa::kAvxVnni;
+    TORCH_CHECK(chosen != VectorIsa::kNone || *isa == "auto", "int8_gemm_isa: ", *isa,
+                " is not avx512_vnni, avx_vnni or auto");
+    TORCH_CHECK(chosen != VectorIsa::kAvx512Vnni || best_isa() == VectorIsa::kAvx512Vnni,
+                "int8_gemm_isa: this CPU (or build) has no AVX512-VNNI");
+    TORCH_CHECK(chosen != VectorIsa::kAvxVnni || kvsentry_int8::avx_vnni_cpu(), "int8_gemm_isa: this CPU has no AVX-VNNI");
+    g_forced.store(chosen);
+  }
+  return kvsentry_int8::isa_name(kvsentry_int8::vector_isa());
+}
+#endif
+
+bool supported() { return kvsentry_int8::vector_isa() != VectorIsa::kNone; }
+
+// One row of x [blocks * 32] quantized by the kernel that multiplies it: the same bits either way.
+void quantize([[maybe_unused]] VectorIsa isa, const float* x, int64_t blocks, QuantRow out) {
+#if defined(__AVX512F__)
+  if (isa == VectorIsa::kAvx512Vnni) return quantize_row(x, blocks, out);
+#endif
+  kvsentry_int8::avx_vnni_quantize_row(x, blocks, out);
+}
+
 Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n) {
-  TORCH_CHECK(supported(), kOp, ": this CPU (or build) has no AVX512-VNNI");
+  const VectorIsa isa = kvsentry_int8::vector_isa();
+  TORCH_CHECK(isa != VectorIsa::kNone, kOp, ": this CPU (or build) has neither AVX512-VNNI nor AVX-VNNI");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   type_of(packed.size(2)) >= 0,
               kOp, ": packed must come from int8_gemm_pack");
@@ -477,7 +500,6 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   const Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0);
   Tensor y = at::empty({m, n}, x.options());
-#if defined(__AVX512F__)
   if (m > 0) {
     // [M, K] int8 quants (on a cache line, and M rounded up to 16 with rows of zeros: the AMX
     // path's tiles read 16 rows), then [M, blocks] dx, sum, sx.
@@ -490,12 +512,17 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
       for (int64_t r = begin; r < end; ++r) {
         rows[r] = QuantRow{q.data() + r * k, dx.data() + r * blocks, sum.data() + r * blocks, sx.data() + r * blocks,
                            half.data() + r * blocks};
-        quantize_row(xs + r * k, blocks, rows[r]);
+        quantize(isa, xs + r * k, blocks, rows[r]);
       }
     });
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* out = y.data_ptr<float>();
+    if (isa == VectorIsa::kAvxVnni) {
+      kvsentry_int8::avx_vnni_gemm(type, w, groups, blocks, rows.data(), m, b, out, n);
+      return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+    }
+#if defined(__AVX512F__)
     // Larger batches on AMX-INT8 tiles where the CPU has them (cpu_int8_gemm_amx.cpp): the same bits.
     if (kvsentry_int8::amx_takes(type, m)) {
       kvsentry_int8::amx_gemm(type, w, groups, blocks, q.data(), dx.data(), sx.data(), m, b, out, n);
@@ -507,8 +534,8 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     if (type == kQ5_0) gemm_type<kQ5_0>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ4_K) gemm_type<kQ4_K>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ6_K) gemm_type<kQ6_K>(w, groups, blocks, rows.data(), m, b, out, n);
-  }
 #endif
+  }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
@@ -545,6 +572,23 @@ Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tens
 
 }  // namespace
 
+namespace kvsentry_int8 {
+
+VectorIsa vector_isa() {
+#ifdef KVSENTRY_DEBUG_OPS
+  const VectorIsa forced = g_forced.load(std::memory_order_relaxed);
+  if (forced != VectorIsa::kNone) return forced;
+#endif
+  static const VectorIsa best = best_isa();
+  return best;
+}
+
+const char* isa_name(VectorIsa isa) {
+  return isa == VectorIsa::kAvx512Vnni ? "avx512_vnni" : isa == VectorIsa::kAvxVnni ? "avx_vnni" : "none";
+}
+
+}  // namespace kvsentry_int8
+
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("int8_gemm_pack(Tensor raw, int type, int k) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
@@ -557,3 +601,7 @@ TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("int8_gemm", &gemm);
   m.impl("int8_gemm_parts", &gemm_parts);
 }
+
+#ifdef KVSENTRY_DEBUG_OPS
+TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) { m.def("int8_gemm_isa(str? isa=None) -> str", &choose_isa); }
+#endif

@@ -4,7 +4,8 @@
 //
 //   torch.ops.kvsentry.int8_gemm_kernels() -> str[]   the kernels int8_gemm runs on this CPU, best
 //            first: "amx_int8" (this file, from amx_min_rows() rows of Q4_0 / Q4_1 / Q8_0) and
-//            "avx512_vnni" (every other call); the registry's label names them
+//            "avx512_vnni" (every other call), or "avx_vnni" alone (cpu_int8_gemm_avx.cpp, on
+//            CPUs without AVX-512); the registry's label names them
 //   torch.ops.kvsentry_debug.int8_gemm_amx_rows(int? min_rows) -> int   the test build's switch:
 //            the fewest rows the AMX path takes (set it past any batch to run VNNI alone)
 //   torch.ops.kvsentry_debug.int8_amx_tile_peak(int iterations) -> float   multiply-adds per
@@ -46,6 +47,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_int8_gemm.h"
 #include "cpu_int8_gemm_amx.h"
 
 namespace kvsentry_int8 {
@@ -339,26 +341,20 @@ double tile_peak(int64_t) { TORCH_CHECK(false, "int8_amx_tile_peak: built withou
 #endif
 #endif
 
-bool vnni_runs() {
-#if defined(__AVX512F__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
-
+// The tiles scale their sums with AVX-512: they join the 512-bit vector kernel only.
 std::vector<std::string> kernels() {
   std::vector<std::string> names;
-  if (cpu_runs()) names.emplace_back("amx_int8");
-  if (vnni_runs()) names.emplace_back("avx512_vnni");
+  const VectorIsa isa = vector_isa();
+  if (cpu_runs() && isa == VectorIsa::kAvx512Vnni) names.emplace_back("amx_int8");
+  if (isa != VectorIsa::kNone) names.emplace_back(isa_name(isa));
   return names;
 }
 
 }  // namespace
 
 bool amx_takes(int64_t type, int64_t m) {
-  return (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) && m >= min_rows() && cpu_runs();
+  return (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) && m >= min_rows() && cpu_runs() &&
+         vector_isa() == VectorIsa::kAvx512Vnni;
 }
 
 #if defined(__AVX512F__)

@@ -1,10 +1,14 @@
 """csrc/cpu/cpu_int8_gemm.cpp against engine/models/int8_reference.py: the same bits for every
 format (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), batch sizes 1-100, odd shapes and partial groups of
 16 outputs, K of one and several (K-quant super-)blocks, with and without a bias, float32 and bf16
-inputs; a row's bits do not depend on its batch. The reference itself is checked against the
-dequantized weight (tests/engine/ggml_blocks.py, which shares no code with it, and gguf's
-dequantize) within int8 rounding, and its values against gguf's exactly. Skipped where the kernel does not run (no
-AVX512-VNNI), where the engine runs the reference. Needs the ops built (`kvsentry_ops`)."""
+inputs; a row's bits do not depend on its batch. Each on both vector kernels, the 512-bit
+AVX512-VNNI one and the 256-bit AVX-VNNI one (cpu_int8_gemm_avx.cpp, chosen through the test
+build's switch on CPUs that have both), and the registry's label names the one that runs. The
+reference itself is checked against the dequantized weight (tests/engine/ggml_blocks.py, which
+shares no code with it, and gguf's dequantize) within int8 rounding, and its values against
+gguf's exactly. Skipped where the kernel does not run (neither AVX512-VNNI nor AVX-VNNI), where
+the engine runs the reference, and each kernel where the CPU lacks it. Needs the ops built
+(`kvsentry_ops`)."""
 from __future__ import annotations
 
 import gguf
@@ -13,7 +17,11 @@ import pytest
 import torch
 
 from engine.models.int8_reference import int8_gemm_reference
+from engine.ops import registry
+from engine.ops.cpu_ops import cpu_flags
+from engine.ops.implementations import op_implementations
 from tests.engine import ggml_blocks
+from tests.engine.int8_helpers import cpu_kernels
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
@@ -22,6 +30,7 @@ SHAPES = [(16, 32), (200, 96), (37, 64), (960, 576), (576, 1536)]
 # K-quants: K in super-blocks of 256.
 K_SHAPES = [(16, 256), (200, 768), (37, 512), (960, 256), (576, 1536)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 32, 64, 100]
+ISAS = ["avx512_vnni", "avx_vnni"]  # int8_gemm's vector kernels (kvsentry_debug.int8_gemm_isa)
 
 
 def blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
@@ -47,13 +56,25 @@ def shapes(qtype: Q) -> list[tuple[int, int]]:
 
 def supported(ops) -> None:
     if not ops.int8_gemm_supported():
-        pytest.skip("no AVX512-VNNI here: the engine runs the torch reference")
+        pytest.skip("neither AVX512-VNNI nor AVX-VNNI here: the engine runs the torch reference")
+
+
+@pytest.fixture(params=ISAS)
+def isa_ops(request, kvsentry_ops):
+    """The ops with int8_gemm on one vector kernel; the CPU's best again after the test."""
+    supported(kvsentry_ops)
+    try:
+        kvsentry_ops.int8_gemm_isa(request.param)
+    except RuntimeError as exc:
+        pytest.skip(f"{request.param} does not run here: {str(exc).splitlines()[0]}")
+    yield kvsentry_ops
+    kvsentry_ops.int8_gemm_isa("auto")
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
-def test_kernel_equals_reference_bit_for_bit(kvsentry_ops, qtype, shape):
-    supported(kvsentry_ops)
+def test_kernel_equals_reference_bit_for_bit(isa_ops, qtype, shape):
+    kvsentry_ops = isa_ops
     n, k = shapes(qtype)[shape]
     raw = blocks(qtype, n, k, seed=n + k)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
@@ -74,8 +95,8 @@ def test_kernel_equals_reference_bit_for_bit(kvsentry_ops, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_rows_bits_do_not_depend_on_its_batch(kvsentry_ops, qtype):
-    supported(kvsentry_ops)
+def test_a_rows_bits_do_not_depend_on_its_batch(isa_ops, qtype):
+    kvsentry_ops = isa_ops
     n, k = 200, 768
     raw = blocks(qtype, n, k, seed=5)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
@@ -159,12 +180,12 @@ def test_packed_rows_read_back_as_their_gguf_rows(kvsentry_ops, qtype):
         assert (g is None and w is None) or torch.equal(g, w)
 
 
-def test_parts_of_several_types_are_their_parts_side_by_side(kvsentry_ops):
+def test_parts_of_several_types_are_their_parts_side_by_side(isa_ops):
     """A q|k|v of several GGML types (engine/models/int8_linear.py's Int8Parts, one vector behind a
     header): int8_gemm_parts gives each part's int8_gemm (so the reference's) bits in its columns."""
     from engine.gguf.weights import QuantRows
     from engine.models.int8_linear import Int8Parts
-    supported(kvsentry_ops)
+    kvsentry_ops = isa_ops
     k = 512
     rows = [QuantRows(int(t), k, blocks(t, n, k, seed=n), True) for t, n in ((Q.Q4_K, 37), (Q.Q6_K, 16), (Q.Q5_0, 21))]
     bias = torch.randn(74)
@@ -181,3 +202,29 @@ def test_parts_of_several_types_are_their_parts_side_by_side(kvsentry_ops):
         kvsentry_ops.int8_gemm_parts(torch.randn(2, k), parts.blocks, None, 75)
     with pytest.raises(RuntimeError, match="does not fit"):
         kvsentry_ops.int8_gemm_parts(torch.randn(2, k), parts.blocks[:-64].contiguous(), None, 74)
+
+
+def test_the_label_names_the_vector_kernel_that_runs(kvsentry_ops):
+    """The registry's label, the metric's value and a linear's path name the kernels this CPU
+    picks from; on the 256-bit kernel (as on a CPU without AVX-512) "avx_vnni" alone, no tiles."""
+    from engine.gguf.weights import QuantRows
+    from engine.models.int8_linear import Int8Blocks
+    supported(kvsentry_ops)
+    kernel = registry.kernel_for("int8_gemm", "cpu")
+    assert list(kvsentry_ops.int8_gemm_kernels()) == cpu_kernels()
+    assert kvsentry_ops.int8_gemm_isa() == cpu_kernels()[-1]
+    assert registry.label(kernel) == f"cpu_kernel({'+'.join(cpu_kernels())})"
+    if "avx_vnni" not in cpu_flags():
+        pytest.skip("no AVX-VNNI on this CPU: the 256-bit kernel cannot be chosen")
+    try:
+        assert kvsentry_ops.int8_gemm_isa("avx_vnni") == "avx_vnni"
+        assert list(kvsentry_ops.int8_gemm_kernels()) == ["avx_vnni"]
+        assert registry.label(kernel) == "cpu_kernel(avx_vnni)"
+        assert op_implementations("cpu")["int8_gemm"] == "cpu_kernel(avx_vnni)"
+        linear = Int8Blocks(QuantRows(int(Q.Q4_0), 64, blocks(Q.Q4_0, 16, 64, seed=1), True), None)
+        assert linear.path == "int8_gemm(cpu_kernel(avx_vnni)) on q4_0 blocks"
+        with pytest.raises(RuntimeError, match="is not avx512_vnni, avx_vnni or auto"):
+            kvsentry_ops.int8_gemm_isa("avx10")
+    finally:
+        kvsentry_ops.int8_gemm_isa("auto")
+    assert list(kvsentry_ops.int8_gemm_kernels()) == cpu_kernels()

@@ -15,8 +15,8 @@ import torch
 
 from engine.models.int8_reference import int8_gemm_reference
 from engine.ops import registry
-from engine.ops.cpu_ops import cpu_flags
 from tests.csrc.test_int8_gemm import blocks
+from tests.engine.int8_helpers import cpu_kernels
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # the formats the tiles take (others run the VNNI kernel alone)
@@ -81,11 +81,17 @@ def test_a_rows_bits_do_not_depend_on_its_batch_nor_its_path(amx, qtype):
 
 
 def test_the_label_names_the_kernels_this_cpu_has(kvsentry_ops):
-    """Where the CPU has AMX-INT8 the registry says "amx_int8+avx512_vnni", else "avx512_vnni";
-    the switch that turns the path off for a test does not change what the CPU has."""
+    """Where the CPU has AMX-INT8 the registry says "amx_int8+avx512_vnni", else "avx512_vnni"
+    (or "avx_vnni" without AVX-512); the switch that turns the path off for a test does not
+    change what the CPU has."""
     kernel = registry.kernel_for("int8_gemm", "cpu")
     if not registry.runs(kernel):
-        pytest.skip("no AVX512-VNNI here: int8_gemm runs the torch reference")
-    want = (["amx_int8"] if "amx_int8" in cpu_flags() else []) + ["avx512_vnni"]
-    assert list(kvsentry_ops.int8_gemm_kernels()) == want
-    assert registry.label(kernel) == f"cpu_kernel({'+'.join(want)})"
+        pytest.skip("neither AVX512-VNNI nor AVX-VNNI here: int8_gemm runs the torch reference")
+    want = cpu_kernels()
+    threshold = kvsentry_ops.int8_gemm_amx_rows()
+    try:
+        kvsentry_ops.int8_gemm_amx_rows(OFF)
+        assert list(kvsentry_ops.int8_gemm_kernels()) == want
+        assert registry.label(kernel) == f"cpu_kernel({'+'.join(want)})"
+    finally:
+        kvsentry_ops.int8_gemm_amx_rows(threshold)

@@ -65,7 +65,7 @@ def _linears(llm: LLM) -> list:
 
 def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypatch):
     if not int8_linear.kernel_runs():
-        pytest.skip("no AVX512-VNNI here: the reference alone runs")
+        pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: the reference alone runs")
     llm = _llm(q4_k_m_file, quantized_activations="int8")
     linears = _linears(llm)
     assert all(p.int8 is not None and p.int8.kernel for p in linears)
@@ -91,7 +91,7 @@ def test_the_fused_layer_stack_serves_the_loops_bits(q4_k_m_file):
     """The layers as one csrc op, the first layer's q|k|v in parts of two types included, give the
     Python loop's bits."""
     if not int8_linear.kernel_runs():
-        pytest.skip("no AVX512-VNNI here: the reference runs in the loop")
+        pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: the reference runs in the loop")
     assert_fused_stack_matches_loop(lambda **kw: _llm(q4_k_m_file, **kw), PROMPTS, PARAMS)
 
 

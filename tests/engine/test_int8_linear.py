@@ -14,8 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import int8_linear
 from engine.models.cpu_gemm import PackedLinear, linear_paths
-from engine.ops.cpu_ops import cpu_flags
-from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits
+from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits, cpu_kernels
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -46,7 +45,7 @@ def _llm(q4_0_file, **kwargs) -> LLM:
 
 def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch):
     if not int8_linear.kernel_runs():
-        pytest.skip("no AVX512-VNNI here: the reference alone runs")
+        pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: the reference alone runs")
     llm = _llm(q4_0_file, quantized_activations="auto", dtype="float32")  # auto: int8 where the kernel runs
     linears = _packed(llm)
     assert all(p.int8 is not None and p.int8.kernel for p in linears)
@@ -55,8 +54,9 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
                for p in linears)
     assert all(p.int8.blocks.dtype == torch.uint8 for p in linears)
     paths = linear_paths(llm.engine.runner.model)
-    # "amx_int8+avx512_vnni" on CPUs with AMX-INT8 (larger batches on tiles), else "avx512_vnni".
-    kernels = "amx_int8+avx512_vnni" if "amx_int8" in cpu_flags() else "avx512_vnni"
+    # "amx_int8+avx512_vnni" on CPUs with AMX-INT8 (larger batches on tiles), else "avx512_vnni",
+    # or "avx_vnni" without AVX-512.
+    kernels = "+".join(cpu_kernels())
     assert paths["linear.qkv"] == f"int8_gemm(cpu_kernel({kernels})) on q4_0 blocks"
     assert paths["linear.lm_head"] == f"int8_gemm(cpu_kernel({kernels})) on q8_0 blocks"
     got = llm.generate(PROMPTS, PARAMS)
@@ -73,7 +73,7 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
 def test_the_fused_layer_stack_serves_the_loops_bits(q4_0_file):
     """The layers as one csrc op call the int8 kernel as the Python loop does: the same bits."""
     if not int8_linear.kernel_runs():
-        pytest.skip("no AVX512-VNNI here: the reference runs in the loop")
+        pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: the reference runs in the loop")
     assert_fused_stack_matches_loop(lambda **kw: _llm(q4_0_file, **kw), PROMPTS, PARAMS)
 
 
@@ -153,7 +153,7 @@ def test_auto_beside_bf16_tiles_splits_by_format(q4_0_file, monkeypatch):
     leaves the Q8_0 LM head and embedding on the exact weights: each linear's own path, and the
     exact ones dense (dequantized), not shape-only."""
     if not int8_linear.kernel_runs():
-        pytest.skip("no AVX512-VNNI here: auto takes no int8")
+        pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: auto takes no int8")
     monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
     llm = _llm(q4_0_file, quantized_activations="auto", dtype="bfloat16")
     model = llm.engine.runner.model
