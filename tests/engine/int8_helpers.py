@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import pytest
+
 from engine import LLM
-from engine.ops import library
+from engine.ops import library, registry
 from engine.ops.cpu_ops import cpu_flags
 
 
@@ -36,3 +38,21 @@ def cpu_kernels() -> list[str]:
     if library.cpu_capability() == "AVX512" and {"avx512bw", "avx512_vnni"} <= flags:
         return (["amx_int8"] if "amx_int8" in flags else []) + ["avx512_vnni"]
     return ["avx_vnni"] if "avx_vnni" in flags else []
+
+
+@pytest.fixture(params=["best", "avx_vnni"])
+def vector_kernels(request) -> list[str]:
+    """The kernels int8_gemm runs for the test: the CPU's best, or the 256-bit AVX-VNNI one alone,
+    as on a CPU without AVX-512 (the test build's switch, in this process where the engine runs);
+    the best again after."""
+    if request.param == "best":
+        yield cpu_kernels()
+        return
+    if "avx_vnni" not in cpu_flags() or not registry.available("int8_gemm", "cpu"):
+        pytest.skip("no AVX-VNNI on this CPU (or no int8 kernel): the 256-bit kernel cannot be chosen")
+    debug = registry.debug_ops()
+    debug.int8_gemm_isa("avx_vnni")
+    try:
+        yield ["avx_vnni"]
+    finally:
+        debug.int8_gemm_isa("auto")

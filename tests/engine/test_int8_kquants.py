@@ -22,6 +22,7 @@ from engine.gguf.weights import gguf_weights
 from engine.models import int8_linear
 from engine.models.cpu_gemm import linear_paths
 from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits
+from tests.engine.int8_helpers import vector_kernels  # noqa: F401 (a fixture the tests take)
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -63,7 +64,7 @@ def _linears(llm: LLM) -> list:
             ] + [model.lm_head.packed]
 
 
-def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypatch):
+def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypatch, vector_kernels):
     if not int8_linear.kernel_runs():
         pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: the reference alone runs")
     llm = _llm(q4_k_m_file, quantized_activations="int8")
@@ -71,7 +72,7 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_k_m_file, monkeypat
     assert all(p.int8 is not None and p.int8.kernel for p in linears)
     assert all(p.panels is None and p.wide_panels is None and not p.onednn for p in linears)
     paths = linear_paths(llm.engine.runner.model)
-    kernel = "int8_gemm(cpu_kernel("  # then the kernels this CPU picks from
+    kernel = f"int8_gemm(cpu_kernel({'+'.join(vector_kernels)})"
     assert paths["linear.lm_head"].startswith(kernel) and paths["linear.lm_head"].endswith(") on q6_k blocks")
     assert paths["linear.o_proj"].startswith(kernel) and paths["linear.o_proj"].endswith(") on q5_0 blocks")
     qkv = [layer.self_attn.qkv.int8 for layer in llm.engine.runner.model.model.layers]

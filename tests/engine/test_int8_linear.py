@@ -14,7 +14,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import int8_linear
 from engine.models.cpu_gemm import PackedLinear, linear_paths
-from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits, cpu_kernels
+from tests.engine.int8_helpers import assert_fused_stack_matches_loop, assert_same_bits
+from tests.engine.int8_helpers import vector_kernels  # noqa: F401 (a fixture the tests take)
 from tests.engine.gguf_convert import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -43,7 +44,7 @@ def _llm(q4_0_file, **kwargs) -> LLM:
                enable_prefix_caching=False, **kwargs)
 
 
-def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch):
+def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch, vector_kernels):
     if not int8_linear.kernel_runs():
         pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: the reference alone runs")
     llm = _llm(q4_0_file, quantized_activations="auto", dtype="float32")  # auto: int8 where the kernel runs
@@ -56,7 +57,7 @@ def test_kernel_serves_the_references_tokens_and_logprobs(q4_0_file, monkeypatch
     paths = linear_paths(llm.engine.runner.model)
     # "amx_int8+avx512_vnni" on CPUs with AMX-INT8 (larger batches on tiles), else "avx512_vnni",
     # or "avx_vnni" without AVX-512.
-    kernels = "+".join(cpu_kernels())
+    kernels = "+".join(vector_kernels)
     assert paths["linear.qkv"] == f"int8_gemm(cpu_kernel({kernels})) on q4_0 blocks"
     assert paths["linear.lm_head"] == f"int8_gemm(cpu_kernel({kernels})) on q8_0 blocks"
     got = llm.generate(PROMPTS, PARAMS)
