@@ -15,7 +15,8 @@
 // both on CPUs that have both).
 //
 // A tile: H halves (8 outputs each: one group's 2, or a pair of groups' 4) x R batch rows; each
-// weight vector serves R rows, each activation broadcast H halves.
+// weight vector serves R rows, each activation broadcast H halves. Measured against the
+// AVX512-VNNI kernel on the same CPU: docs/kernels.md.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -265,7 +266,8 @@ KVS_AVX_VNNI_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, 
   }
 }
 
-// Rows of a tile: up to 4 (each weight vector read once per 4 rows).
+// Rows of a tile: up to 4, each weight vector read once for them. (A tile's 8 int32 sums and 8
+// float32 sums outgrow AVX2's 16 registers already: 2 rows fall behind, 8 more so.)
 constexpr int64_t kTileRows = 4;
 
 template <int64_t kType, int H>
@@ -285,12 +287,30 @@ KVS_AVX_VNNI_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t block
   }
 }
 
+// Threads split the groups: one at a time, or for batches below a tile's rows (decode) pairs of
+// them, whose 4 halves keep more loads and products in flight (~10% faster at one row, slower
+// from 4 rows, where a pair's 16 sums spill).
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
                const float* bias, float* y, int64_t n) {
   const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) rows_of<kType, 2>(packed + g * stride, stride, blocks, rows, m, bias, y, n, g * kGroup);
+  if (m >= kTileRows) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        rows_of<kType, 2>(packed + g * stride, stride, blocks, rows, m, bias, y, n, g * kGroup);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* w = packed + 2 * p * stride;
+      if (2 * p + 1 < groups) {
+        rows_of<kType, 4>(w, stride, blocks, rows, m, bias, y, n, 2 * p * kGroup);
+      } else {
+        rows_of<kType, 2>(w, stride, blocks, rows, m, bias, y, n, 2 * p * kGroup);
+      }
+    }
   });
 }
 
