@@ -31,8 +31,8 @@ KV_CHECKSUM_MODES = ("off", "rolling", "full")  # which sealed blocks are re-ver
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order requests are admitted and preempted in
 # How a GGUF checkpoint's quantized linears multiply on CPU (engine/models/int8_linear.py): "int8"
 # quantizes the activations per block of 32 and multiplies with the weights' own blocks, "none"
-# keeps the exact dequantized weights, "auto" is "int8" where the CPU has AVX512-VNNI, but for Q4_1
-# and Q8_0 where bf16 runs on AMX tiles.
+# keeps the exact dequantized weights, "auto" is "int8" where the CPU has AVX512-VNNI or AVX-VNNI, but
+# for Q4_1 and Q8_0 where bf16 runs on AMX tiles.
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "none")
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
@@ -256,7 +256,7 @@ class EngineConfig:
     max_structured_outputs_choices: int = 4096  # entries of a choice list or of any one JSON schema enum
     max_structured_outputs_depth: int = 128  # JSON nesting of a schema (each object and array is a level)
     dtype_reason: str = ""  # why model.dtype: "asked for", or what --dtype auto saw (engine/placement.py)
-    # "auto": int8 where its kernel runs (AVX512-VNNI), as llama.cpp multiplies, within the
+    # "auto": int8 where its kernel runs (AVX512-VNNI or AVX-VNNI), as llama.cpp multiplies, within the
     # perplexity bound (+0.33% float32, +0.42% bf16 on the default model); the exact Q4_1 / Q8_0
     # weights where bf16 runs on AMX tiles, faster than int8 from 16 rows up (int8_linear.int8_formats).
     quantized_activations: str = "auto"  # one of QUANTIZED_ACTIVATIONS

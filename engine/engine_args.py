@@ -160,7 +160,7 @@ ENGINE_ARGS = (
               "structural tag; deeper is a 400", group="structured outputs"),
     EngineArg("quantized_activations", "GGUF checkpoints on CPU: int8 quantizes each linear's activations per "
               "block of 32 and multiplies them with the weights' own Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks "
-              "(llama.cpp's arithmetic; AVX512-VNNI, AMX-INT8); none keeps the exact dequantized weights "
-              "(token-identical to transformers in float32); auto is int8 on CPUs with AVX512-VNNI, except "
+              "(llama.cpp's arithmetic; AVX512-VNNI, AMX-INT8, AVX-VNNI); none keeps the exact dequantized weights "
+              "(token-identical to transformers in float32); auto is int8 on CPUs with AVX512-VNNI or AVX-VNNI, except "
               "Q4_1/Q8_0 where bf16 runs on AMX tiles (faster there from 16 rows up)", choices=QUANTIZED_ACTIVATIONS),
 )

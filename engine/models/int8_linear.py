@@ -1,11 +1,12 @@
 """GGUF linears with int8 activations: the weight stays in its Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K /
 Q6_K blocks (repacked once for csrc/cpu/cpu_int8_gemm.cpp, no dense copy), and each call quantizes its activations per
-block of 32 to int8 and multiplies them with `vpdpbusd` (AVX512-VNNI). That is llama.cpp's
-arithmetic, not the dequantized weight's: the outputs differ from the exact path in the last
-bits of each block's activations, and greedy tokens may diverge (docs/kernels.md).
+block of 32 to int8 and multiplies them with `vpdpbusd` (AVX512-VNNI, or the 256-bit AVX-VNNI on
+CPUs without AVX-512: the same bits). That is llama.cpp's arithmetic, not the dequantized
+weight's: the outputs differ from the exact path in the last bits of each block's activations,
+and greedy tokens may diverge (docs/kernels.md).
 
 Selected by --quantized-activations (EngineConfig.quantized_activations): "auto" takes it where
-the kernel runs (a CPU with AVX512-VNNI), "int8" everywhere (the torch reference,
+the kernel runs (a CPU with AVX512-VNNI or AVX-VNNI), "int8" everywhere (the torch reference,
 engine/models/int8_reference.py, where the kernel does not run: the same bits, slowly), "none"
 keeps the exact dequantized weights.
 """
@@ -25,7 +26,7 @@ OP = "int8_gemm"
 
 
 def kernel_runs() -> bool:
-    """Whether csrc/cpu/cpu_int8_gemm.cpp runs here (built, AVX512-VNNI, CPU kernels on)."""
+    """Whether csrc/cpu/cpu_int8_gemm.cpp runs here (built, AVX512-VNNI or AVX-VNNI, CPU kernels on)."""
     return registry.available(OP, "cpu")
 
 

@@ -1,6 +1,6 @@
 """The int8-activation GEMM of GGUF blocks, in torch: the arithmetic csrc/cpu/cpu_int8_gemm.cpp
 runs, written out so that the kernel is held to it bit for bit (tests/csrc/test_int8_gemm.py),
-and what runs where that kernel does not (no AVX512-VNNI).
+and what runs where that kernel does not (neither AVX512-VNNI nor AVX-VNNI).
 
 y[m, n] = sum over blocks b of K (32 values each), in order b = 0, 1, ...:
     Q4_0, Q5_0, Q8_0: (dw[n, b] * dx[m, b]) * isum[m, n, b]
