@@ -1,5 +1,5 @@
 // The int8-activation GEMM of GGUF blocks on AVX-VNNI: the VEX-encoded 256-bit `vpdpbusd` of CPUs
-// without AVX-512 (Alder Lake and later client cores, Zen 5 where AVX-512 is off), against the
+// without AVX-512 (Intel's client cores from Alder Lake on, for instance), against the
 // same blocks int8_gemm_pack lays out for the AVX512-VNNI kernel (cpu_int8_gemm.cpp, whose op
 // quantizes the activations here and calls this). No second packing: a group's 16 outputs lie in
 // a 64-byte vector as 4 bytes each, so its first 8 outputs are the vector's low 32 bytes and the
