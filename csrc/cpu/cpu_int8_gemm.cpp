@@ -44,6 +44,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__)
@@ -68,6 +69,7 @@ namespace {
 using at::Tensor;
 using namespace kvsentry_int8::layout;
 using kvsentry_int8::QuantRow;
+using kvsentry_int8::prefetch_ahead;
 using kvsentry_int8::VectorIsa;
 constexpr const char* kOp = "kvsentry::int8_gemm";
 int64_t gguf_bytes(int64_t type) {
@@ -258,7 +260,10 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
     for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr int64_t kPerBlock = kSuper ? kBytes / 8 : kBytes;  // bytes of a group a block of 32 K reads
   for (int64_t b = 0; b < blocks; ++b) {
+    #pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) prefetch_ahead(w + g * stride + b * kPerBlock, kPerBlock);
     // Where block b's parts start in group 0: its packed block (the super-block for K-quants) and quants.
     const int64_t at = kSuper ? (b / 8) * kBytes : b * kBytes;
     const int64_t quants = kType == kQ4_K ? at + kQ4KQuants + 256 * (b % 8)
@@ -497,9 +502,11 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == n, kOp, ": bias must be [", n, "]");
     bias = bias_in->to(at::kFloat).contiguous();
   }
-  const Tensor x = x_in.to(at::kFloat).contiguous();
+  // bf16 activations are widened a row at a time as they are quantized (exact), not copied whole.
+  const Tensor x = x_in.contiguous();
+  const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const int64_t m = x.size(0);
-  Tensor y = at::empty({m, n}, x.options());
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m > 0) {
     // [M, K] int8 quants (on a cache line, and M rounded up to 16 with rows of zeros: the AMX
     // path's tiles read 16 rows), then [M, blocks] dx, sum, sx.
@@ -507,12 +514,19 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     std::vector<float> dx(static_cast<size_t>(m * blocks)), sx(dx.size());
     std::vector<int32_t> sum(dx.size()), half(dx.size());
     std::vector<QuantRow> rows(static_cast<size_t>(m));
-    const float* xs = x.data_ptr<float>();
+    const void* xs = x.data_ptr();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> wide(bf16_in ? static_cast<size_t>(k) : 0);
       for (int64_t r = begin; r < end; ++r) {
         rows[r] = QuantRow{q.data() + r * k, dx.data() + r * blocks, sum.data() + r * blocks, sx.data() + r * blocks,
                            half.data() + r * blocks};
-        quantize(isa, xs + r * k, blocks, rows[r]);
+        const float* row = static_cast<const float*>(xs) + r * k;
+        if (bf16_in) {
+          const auto* raw = static_cast<const c10::BFloat16*>(xs) + r * k;
+          for (int64_t i = 0; i < k; ++i) wide[i] = static_cast<float>(raw[i]);
+          row = wide.data();
+        }
+        quantize(isa, row, blocks, rows[r]);
       }
     });
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cpu_prefetch.h"
+
 namespace kvsentry_int8 {
 
 namespace layout {
@@ -22,6 +24,21 @@ constexpr int64_t packed_bytes(int64_t type) {
   return type == kQ4_K ? kQ4KBytes : type == kQ6_K ? kQ6KBytes : scale_bytes(type) + 64 * quant_vectors(type);
 }
 }  // namespace layout
+
+// How far ahead of the block it works on a kernel asks each group's stream into L2. The packed
+// weight is one contiguous stream per group, but the hardware prefetcher alone kept a decode
+// step's GEMVs at 11-12 GB/s: it does not cross 4 KiB and ramps up again after every jump between
+// the groups' streams. 30 layers of the default model's Q4_1 shapes at 1 batch row, AVX512-VNNI,
+// 1-core Xeon (2026-12-05), in one process alternating: none 4.37 ms, 8 KiB 3.43, 16 KiB 3.27,
+// 24 KiB 3.17; at 4 rows none 7.29, 16 KiB 5.28.
+constexpr int64_t kPrefetchBytes = 16384;
+
+// The `bytes` (a block's share of one group) that lie kPrefetchBytes past `block`, into L2. Past
+// the tensor's end this is harmless: prefetches never fault.
+inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(block + kPrefetchBytes);
+  for (int64_t o = 0; o < bytes; o += 64) kvsentry_mem::prefetch_l2(ahead + o);
+}
 
 // The activations of one row, quantized per block of 32: int8 quants, scale dx, the quants' sum
 // and sx = dx * sum (as int8_reference.quantize_activations), and the sum of the first 16 (Q6_K's

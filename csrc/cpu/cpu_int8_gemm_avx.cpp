@@ -131,7 +131,10 @@ KVS_AVX_VNNI_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, 
     for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
   }
   const __m256i low = _mm256_set1_epi8(0x0F);
+  constexpr int64_t kPerBlock = kSuper ? kBytes / 8 : kBytes;  // bytes of a group a block of 32 K reads
   for (int64_t b = 0; b < blocks; ++b) {
+    #pragma GCC unroll 8
+    for (int h = 0; h < H; h += 2) prefetch_ahead(w + (h / 2) * stride + b * kPerBlock, kPerBlock);  // a group's two halves
     // Where block b's parts start in group 0: its packed block (the super-block for K-quants) and quants.
     const int64_t at = kSuper ? (b / 8) * kBytes : b * kBytes;
     const int64_t quants = kType == kQ4_K ? at + kQ4KQuants + 256 * (b % 8)
