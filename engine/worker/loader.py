@@ -55,6 +55,19 @@ def safetensors_weights(path: str | Path, model: nn.Module) -> Iterator[tuple[st
 def load_model(config: EngineConfig) -> nn.Module:
     """Build the model for this rank and fill it; only tensors the rank wants are read."""
     start = time.perf_counter()
+    model, num_tensors = _build_and_fill(config)
+    # The heap's free pages go back once the loading's locals are gone (the checkpoint's copies,
+    # the dense tensors a dtype change replaced): trimming inside the loading left them resident,
+    # 0.54 GB of a 1B Q4_0 rank's 1.8 GB (2026-12-05, Xeon).
+    release_freed_memory()
+    logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(config.model.path).name, num_tensors,
+                str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
+                config.parallel.data_parallel_rank)
+    return model
+
+
+def _build_and_fill(config: EngineConfig) -> tuple[nn.Module, int]:
+    """The model, filled, and how many checkpoint tensors it read."""
     path = config.model.path
     # Every parameter is then filled from the checkpoint (or the load fails): initializing them
     # first would only cost time, and touch memory the int8 path never uses.
@@ -93,12 +106,7 @@ def load_model(config: EngineConfig) -> nn.Module:
     embedding = quantized.get("model.embed_tokens.weight")
     if embedding is not None and embedding.ggml_type in formats:
         keep_embedding_blocks(model, embedding, config.model.dtype)
-    del quantized, weights
-    release_freed_memory()
-    logger.info("loaded %s (%d tensors, %s) in %.1f s on DP rank %d", Path(path).name, len(loaded),
-                str(config.model.dtype).removeprefix("torch."), time.perf_counter() - start,
-                config.parallel.data_parallel_rank)
-    return model
+    return model, len(loaded)
 
 
 @contextlib.contextmanager
