@@ -534,14 +534,11 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     float* out = y.data_ptr<float>();
     if (isa == VectorIsa::kAvxVnni) {
       kvsentry_int8::avx_vnni_gemm(type, w, groups, blocks, rows.data(), m, b, out, n);
-      return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
-    }
-#if defined(__AVX512F__)
-    // Larger batches on AMX-INT8 tiles where the CPU has them (cpu_int8_gemm_amx.cpp): the same bits.
-    if (kvsentry_int8::amx_takes(type, m)) {
+    } else if (kvsentry_int8::amx_takes(type, m)) {
+      // Larger batches on AMX-INT8 tiles where the CPU has them (cpu_int8_gemm_amx.cpp): the same bits.
       kvsentry_int8::amx_gemm(type, w, groups, blocks, q.data(), dx.data(), sx.data(), m, b, out, n);
-      return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
-    }
+    } else {
+#if defined(__AVX512F__)
     if (type == kQ4_0) gemm_type<kQ4_0>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ4_1) gemm_type<kQ4_1>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ8_0) gemm_type<kQ8_0>(w, groups, blocks, rows.data(), m, b, out, n);
@@ -549,6 +546,7 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
     if (type == kQ4_K) gemm_type<kQ4_K>(w, groups, blocks, rows.data(), m, b, out, n);
     if (type == kQ6_K) gemm_type<kQ6_K>(w, groups, blocks, rows.data(), m, b, out, n);
 #endif
+    }
   }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }

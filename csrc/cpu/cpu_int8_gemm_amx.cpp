@@ -53,8 +53,7 @@
 namespace kvsentry_int8 {
 namespace {
 
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
-constexpr int64_t kGroup = 16;                       // outputs per packed group: one C tile's columns
+using namespace layout;  // the packed blocks' sizes (cpu_int8_gemm.h); a group's 16 outputs are one C tile's columns
 constexpr int64_t kTileRows = 16;                    // batch rows per A tile
 constexpr int64_t kTileInts = kTileRows * kGroup;    // int32 per C tile
 constexpr int64_t kBTileBytes = 8 * 64;              // one block of one group: 8 rows of 4 K x 16 outputs
@@ -67,9 +66,6 @@ constexpr int64_t kPrefetchBlocks = 8;               // blocks of the weight str
 constexpr int64_t kMinRows = 8, kMinRowsThreads = 10;
 int64_t auto_min_rows() { return at::get_num_threads() > 1 ? kMinRowsThreads : kMinRows; }
 
-// cpu_int8_gemm.cpp's packed block: 16 float16 scales (Q4_1: then 16 minima), then the quants.
-constexpr int64_t scale_bytes(int64_t type) { return type == kQ4_1 ? 4 * kGroup : 2 * kGroup; }
-constexpr int64_t packed_bytes(int64_t type) { return scale_bytes(type) + 64 * (type == kQ8_0 ? 8 : 4); }
 
 #ifdef KVSENTRY_DEBUG_OPS
 std::atomic<int64_t> g_min_rows{-1};  // -1: auto_min_rows()
