@@ -483,8 +483,8 @@ void quantize([[maybe_unused]] VectorIsa isa, const float* x, int64_t blocks, Qu
 }
 
 Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n) {
-  const VectorIsa isa = kvsentry_int8::vector_isa();
-  TORCH_CHECK(isa != VectorIsa::kNone, kOp, ": this CPU (or build) has neither AVX512-VNNI nor AVX-VNNI");
+  TORCH_CHECK(kvsentry_int8::vector_isa() != VectorIsa::kNone, kOp,
+              ": this CPU (or build) has neither AVX512-VNNI nor AVX-VNNI");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   type_of(packed.size(2)) >= 0,
               kOp, ": packed must come from int8_gemm_pack");
@@ -492,6 +492,7 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   const int64_t type = type_of(packed.size(2)), groups = packed.size(0);
   const int64_t blocks = packed.size(1) * (block_values(type) / kBlockK);
   const int64_t k = blocks * kBlockK;
+  const VectorIsa isa = kvsentry_int8::kernel_for(type, x_in.dim() == 2 ? x_in.size(0) : 0);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               kOp, ": x must be float32 or bf16 [M, ", k, "], got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -593,6 +594,25 @@ VectorIsa vector_isa() {
 #endif
   static const VectorIsa best = best_isa();
   return best;
+}
+
+// A single row does 32 multiply-adds per weight byte it streams: the weights' memory stream bounds
+// it, and there the 256-bit kernel, which reads two groups as four halves, keeps more of it in flight
+// than the 512-bit one (SmolLM2's layers at one row, 1 thread: Q4_0 1.2-1.3x, Q4_1 and Q5_0
+// 1.1-1.3x on a Zen 5 EPYC and a Sapphire Rapids Xeon). Q8_0 reads twice the bytes a value and
+// gains nothing (0.9-1.0x), K-quants were not measured: they keep the 512-bit kernel. Bits are
+// the same on either kernel, so a row's result still does not depend on its batch.
+bool one_row_avx_vnni() {
+#ifdef KVSENTRY_DEBUG_OPS
+  if (g_forced.load(std::memory_order_relaxed) != VectorIsa::kNone) return false;  // tests pick one kernel
+#endif
+  static const bool both = best_isa() == VectorIsa::kAvx512Vnni && avx_vnni_cpu();
+  return both;
+}
+
+VectorIsa kernel_for(int64_t type, int64_t m) {
+  if (m == 1 && (type == kQ4_0 || type == kQ4_1 || type == kQ5_0) && one_row_avx_vnni()) return VectorIsa::kAvxVnni;
+  return vector_isa();
 }
 
 const char* isa_name(VectorIsa isa) {
