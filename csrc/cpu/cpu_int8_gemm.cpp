@@ -482,7 +482,9 @@ void quantize([[maybe_unused]] VectorIsa isa, const float* x, int64_t blocks, Qu
   kvsentry_int8::avx_vnni_quantize_row(x, blocks, out);
 }
 
-Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n) {
+// `linear_bytes`: the whole linear's packed bytes (a part's linear in gemm_parts), for kernel_for.
+Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n,
+               int64_t linear_bytes) {
   TORCH_CHECK(kvsentry_int8::vector_isa() != VectorIsa::kNone, kOp,
               ": this CPU (or build) has neither AVX512-VNNI nor AVX-VNNI");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -492,7 +494,7 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   const int64_t type = type_of(packed.size(2)), groups = packed.size(0);
   const int64_t blocks = packed.size(1) * (block_values(type) / kBlockK);
   const int64_t k = blocks * kBlockK;
-  const VectorIsa isa = kvsentry_int8::kernel_for(type, x_in.dim() == 2 ? x_in.size(0) : 0);
+  const VectorIsa isa = kvsentry_int8::kernel_for(type, x_in.dim() == 2 ? x_in.size(0) : 0, linear_bytes);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               kOp, ": x must be float32 or bf16 [M, ", k, "], got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -552,6 +554,10 @@ Tensor gemm(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
+Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {
+  return gemm_of(x, packed, bias, n, packed.numel());
+}
+
 Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tensor>& bias, int64_t n) {
   TORCH_CHECK(parts.dim() == 1 && parts.scalar_type() == at::kByte && parts.is_contiguous() && parts.numel() >= 8,
               kOp, "_parts: parts must be a uint8 vector from int8_linear's Int8Parts");
@@ -575,7 +581,7 @@ Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tens
       TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, "_parts: bias must be [", n, "]");
       part_bias = bias->narrow(0, n0, np);
     }
-    outs.push_back(gemm(x, parts.narrow(0, offset, length).view({groups, blocks, size}), part_bias, np));
+    outs.push_back(gemm_of(x, parts.narrow(0, offset, length).view({groups, blocks, size}), part_bias, np, parts.numel()));
     offset += length;
     n0 += np;
   }
@@ -596,12 +602,15 @@ VectorIsa vector_isa() {
   return best;
 }
 
-// A single row does 32 multiply-adds per weight byte it streams: the weights' memory stream bounds
-// it, and there the 256-bit kernel, which reads two groups as four halves, keeps more of it in flight
-// than the 512-bit one (SmolLM2's layers at one row, 1 thread: Q4_0 1.2-1.3x, Q4_1 and Q5_0
-// 1.1-1.3x on a Zen 5 EPYC and a Sapphire Rapids Xeon). Q8_0 reads twice the bytes a value and
-// gains nothing (0.9-1.0x), K-quants were not measured: they keep the 512-bit kernel. Bits are
-// the same on either kernel, so a row's result still does not depend on its batch.
+// A single row does few multiply-adds per weight byte. Where a model's blocks are small enough to
+// be partly in the last-level cache from one step to the next, the 256-bit kernel (two groups as
+// four halves) streams them faster than the 512-bit one, which stays near 30 GB/s (a Zen 5 EPYC,
+// 1 thread: SmolLM2's 60 MB of Q4_0 layers 1.12-1.34x a pass, its one-client decode 1.22-1.37x;
+// Q4_1 and Q5_0 1.07-1.30x). From memory it streams slower: the 1B-class's layers (2.4-13 MB
+// each) 0.82x a pass, its decode 0.81-0.84x. The weight's size stands for that: 2 MiB and below
+// (SmolLM2's largest linear is 1 MiB, the 1B-class's smallest 2.4). Q8_0 gains nothing (0.9x),
+// K-quants were not measured: both keep the 512-bit kernel. Bits are the same on either kernel,
+// so a row's result does not depend on its batch.
 bool one_row_avx_vnni() {
 #ifdef KVSENTRY_DEBUG_OPS
   if (g_forced.load(std::memory_order_relaxed) != VectorIsa::kNone) return false;  // tests pick one kernel
@@ -610,8 +619,13 @@ bool one_row_avx_vnni() {
   return both;
 }
 
-VectorIsa kernel_for(int64_t type, int64_t m) {
-  if (m == 1 && (type == kQ4_0 || type == kQ4_1 || type == kQ5_0) && one_row_avx_vnni()) return VectorIsa::kAvxVnni;
+constexpr int64_t kOneRowAvxVnniBytes = int64_t{2} << 20;
+
+VectorIsa kernel_for(int64_t type, int64_t m, int64_t bytes) {
+  if (m == 1 && (type == kQ4_0 || type == kQ4_1 || type == kQ5_0) && bytes <= kOneRowAvxVnniBytes &&
+      one_row_avx_vnni()) {
+    return VectorIsa::kAvxVnni;
+  }
   return vector_isa();
 }
 

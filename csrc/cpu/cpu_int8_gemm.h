@@ -56,9 +56,10 @@ struct QuantRow {
 enum class VectorIsa { kNone, kAvx512Vnni, kAvxVnni };
 VectorIsa vector_isa();
 const char* isa_name(VectorIsa isa);  // "avx512_vnni", "avx_vnni", "none"
-// The kernel that multiplies m rows of `type`: vector_isa(), except that where it is the 512-bit
-// one, a single row of a 4- or 5-bit format takes the 256-bit one on CPUs that have both.
-VectorIsa kernel_for(int64_t type, int64_t m);
+// The kernel that multiplies m rows of `type` from `bytes` of packed blocks: vector_isa(), except
+// that where it is the 512-bit one, a single row of a small 4- or 5-bit weight takes the 256-bit
+// one on CPUs that have both.
+VectorIsa kernel_for(int64_t type, int64_t m, int64_t bytes);
 // Whether kernel_for sends single rows to AVX-VNNI here (the label names it beside AVX512-VNNI).
 bool one_row_avx_vnni();
 
