@@ -19,10 +19,13 @@ LONG_MODEL_LEN = 16384  # room for a request long enough to hold the one slot wh
 
 @pytest.fixture(scope="module")
 def priority_server(checkpoint, tmp_path_factory):
-    """One request at a time, so the order requests run in is the order the rank's queue gives."""
+    """One request at a time, so the order requests run in is the order the rank's queue gives; no
+    aging, so that order is by priority alone however many steps the blocker below runs while the
+    queue forms (a tiny model steps thousands of times a second on a fast core: with the default
+    256 steps a level, priority 10 caught up with a priority 0 that arrived a second later)."""
     path = checkpoint("tiny-llama", max_position_embeddings=LONG_MODEL_LEN)
     proc = ServerProcess(path, "--served-model-name", MAIN_MODEL_NAME, "--max-model-len",
-                         str(LONG_MODEL_LEN), "--scheduling-policy", "priority", "--max-num-seqs", "1",
+                         str(LONG_MODEL_LEN), "--scheduling-policy", "priority", "--priority-aging-steps", "0", "--max-num-seqs", "1",
                          "--threads", "1", log_dir=tmp_path_factory.mktemp("logs"))
     try:
         yield proc.wait_ready()
