@@ -60,6 +60,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -482,6 +483,20 @@ void quantize([[maybe_unused]] VectorIsa isa, const float* x, int64_t blocks, Qu
   kvsentry_int8::avx_vnni_quantize_row(x, blocks, out);
 }
 
+// float32 -> bfloat16 with the bits of y.to(torch.bfloat16) on CPU (ATen's vectorized
+// conversion): round to nearest even, any NaN to 0xFFFF. A plain loop that the compiler
+// vectorizes, so that a bf16 caller's output is rounded without a second op's dispatch, its
+// float32 tensor and its copy kernel (about 1 us of a one-row linear's 2-20).
+void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t count) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, 4);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    out[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0xFFFF} : static_cast<uint16_t>(rounded);
+  }
+}
+
 // `linear_bytes`: the whole linear's packed bytes (a part's linear in gemm_parts), for kernel_for.
 Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n,
                int64_t linear_bytes) {
@@ -509,7 +524,10 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
   const Tensor x = x_in.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const int64_t m = x.size(0);
-  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  // The kernels write float32: into the result itself for a float32 caller, else into a scratch
+  // that is rounded into the bf16 result at the end.
+  Tensor result = at::empty({m, n}, x.options());
+  std::unique_ptr<float[]> scratch(bf16_in && m > 0 ? new float[static_cast<size_t>(m * n)] : nullptr);
   if (m > 0) {
     // [M, K] int8 quants (on a cache line, and M rounded up to 16 with rows of zeros: the AMX
     // path's tiles read 16 rows), then [M, blocks] dx, sum, sx.
@@ -534,7 +552,7 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
     });
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const uint8_t* w = packed.data_ptr<uint8_t>();
-    float* out = y.data_ptr<float>();
+    float* out = bf16_in ? scratch.get() : result.data_ptr<float>();
     if (isa == VectorIsa::kAvxVnni) {
       kvsentry_int8::avx_vnni_gemm(type, w, groups, blocks, rows.data(), m, b, out, n);
     } else if (kvsentry_int8::amx_takes(type, m)) {
@@ -550,8 +568,14 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
     if (type == kQ6_K) gemm_type<kQ6_K>(w, groups, blocks, rows.data(), m, b, out, n);
 #endif
     }
+    if (bf16_in) {
+      c10::BFloat16* y = result.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, m, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+        round_to_bf16(out + begin * n, y + begin * n, (end - begin) * n);
+      });
+    }
   }
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  return result;
 }
 
 Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {

@@ -96,6 +96,27 @@ def test_kernel_equals_reference_bit_for_bit(isa_ops, qtype, shape):
                 assert got.dtype == dtype and torch.equal(got, want), (m, b is not None, dtype)
 
 
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_bf16_outputs_round_as_torch_does_nan_and_inf_included(isa_ops, m):
+    # A bf16 caller's float32 sums are rounded inside the op: the bits of .to(torch.bfloat16),
+    # whose NaN is 0xFFFF and which rounds past bf16's largest finite value to inf. The bias
+    # puts those values into the outputs (it is added in float32 before the rounding).
+    kvsentry_ops = isa_ops
+    n, k = 40, 64
+    raw = blocks(Q.Q4_0, n, k, seed=9)
+    packed = kvsentry_ops.int8_gemm_pack(raw, int(Q.Q4_0), k)
+    bias = torch.randn(n)
+    bias[:8] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38,
+                             1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])  # the last two: ties to even, down and up
+    x = torch.zeros(m, k, dtype=torch.bfloat16)  # all-zero blocks sum to 0: each output is its bias exactly
+    got = kvsentry_ops.int8_gemm(x, packed, bias, n)
+    want = int8_gemm_reference(x, raw, int(Q.Q4_0), bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert (got.view(torch.int16)[:, :2] == -1).all()  # 0xFFFF
+    assert torch.isinf(got[:, 2:6]).all()
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch(isa_ops, qtype):
     kvsentry_ops = isa_ops
