@@ -11,6 +11,11 @@ from torch import nn
 
 from engine.gguf.weights import QuantRows
 from engine.models.int8_reference import INT8_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, block_values, weight_blocks
+from engine.ops import registry
+
+# The formats csrc/cpu/cpu_int8_rows.cpp gathers from packed blocks (blocks of 32); K-quants take
+# packed_blocks, the same values through torch ops.
+ROWS_OP_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q8_0})
 
 
 def packed_blocks(packed: torch.Tensor,  # [ceil(vocab / 16), K / values, packed block bytes] uint8
@@ -94,6 +99,9 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
         ids = input_ids.reshape(-1)
+        if self.packed and self.ggml_type in ROWS_OP_TYPES:  # packed blocks exist where the kernels run
+            values = registry.op("int8_gemm_rows")(self.blocks, ids)  # [tokens, K] float32
+            return values.reshape(*input_ids.shape, self.embedding_dim).to(self.dtype)
         if self.packed:
             quants, scales, minima = packed_blocks(self.blocks, ids, self.ggml_type)
         else:

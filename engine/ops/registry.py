@@ -88,8 +88,10 @@ KERNELS: tuple[Kernel, ...] = (
     # (AVX512-VNNI, and AMX-INT8 tiles for larger batches of Q4_0/Q4_1/Q8_0; or, on CPUs without
     # AVX-512, AVX-VNNI; engine/models/int8_linear.py); elsewhere engine/models/int8_reference.py,
     # the same bits. Labelled e.g. "cpu_kernel(amx_int8+avx512_vnni)", "cpu_kernel(avx_vnni)".
-    Kernel("int8_gemm", "cpu", ("cpu/cpu_int8_gemm.cpp", "cpu/cpu_int8_gemm_amx.cpp", "cpu/cpu_int8_gemm_avx.cpp"),
-           ("int8_gemm_pack", "int8_gemm", "int8_gemm_supported", "int8_gemm_parts", "int8_gemm_kernels"),
+    Kernel("int8_gemm", "cpu", ("cpu/cpu_int8_gemm.cpp", "cpu/cpu_int8_gemm_amx.cpp", "cpu/cpu_int8_gemm_avx.cpp",
+                                "cpu/cpu_int8_rows.cpp"),
+           ("int8_gemm_pack", "int8_gemm", "int8_gemm_supported", "int8_gemm_parts", "int8_gemm_kernels",
+            "int8_gemm_rows"),
            TORCH_REFERENCE, probe="int8_gemm_supported", kernels="int8_gemm_kernels"),
 )
 OPS: tuple[str, ...] = tuple(dict.fromkeys(kernel.op for kernel in KERNELS))

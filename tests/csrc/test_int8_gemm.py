@@ -203,6 +203,26 @@ def test_packed_rows_read_back_as_their_gguf_rows(kvsentry_ops, qtype):
         assert (g is None and w is None) or torch.equal(g, w)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0])
+def test_rows_op_gathers_the_values_the_torch_path_gives(kvsentry_ops, qtype):
+    """int8_gemm_rows (csrc/cpu/cpu_int8_rows.cpp), the tied embedding's gather: the bits of
+    block_values over packed_blocks, row for row, partial last group and repeats included."""
+    from engine.models.block_embedding import packed_blocks
+    from engine.models.int8_reference import block_values
+    n, k = 37, 96
+    raw = blocks(qtype, n, k, seed=11)
+    packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
+    ids = torch.tensor([0, 15, 16, 36, 5, 5, 31])
+    got = kvsentry_ops.int8_gemm_rows(packed, ids)
+    want = block_values(*packed_blocks(packed, ids, int(qtype))).reshape(len(ids), k)
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert kvsentry_ops.int8_gemm_rows(packed, ids[:0]).shape == (0, k)
+    with pytest.raises(RuntimeError, match="past the 48 rows"):
+        kvsentry_ops.int8_gemm_rows(packed, torch.tensor([48]))
+    with pytest.raises(RuntimeError, match="are not Q4_0"):
+        kvsentry_ops.int8_gemm_rows(kvsentry_ops.int8_gemm_pack(blocks(Q.Q6_K, 16, 256, seed=1), int(Q.Q6_K), 256), ids)
+
+
 def test_parts_of_several_types_are_their_parts_side_by_side(isa_ops):
     """A q|k|v of several GGML types (engine/models/int8_linear.py's Int8Parts, one vector behind a
     header): int8_gemm_parts gives each part's int8_gemm (so the reference's) bits in its columns."""
