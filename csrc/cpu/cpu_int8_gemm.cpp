@@ -505,9 +505,18 @@ void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t count) {
 // One calling thread's working memory for gemm_of, kept from call to call: a decode step makes
 // ~120 calls, and their nine allocations each (quants, scales, sums, rows, the float32 outputs)
 // were 5-8% of a one-row step in malloc, free and the heap's consolidation. 64-byte aligned
-// pieces, carved in order; grown when a call needs more, never shrunk (a step's largest linear).
+// pieces, carved in order; grown when a call needs more. What a long prefill or a prompt's
+// logprobs needed (hundreds of MB for an LM head over thousands of rows) is not kept: past
+// kKeepBytes the memory goes back after the call, as the tensors it replaced did.
 class Arena {
  public:
+  static constexpr size_t kKeepBytes = size_t{16} << 20;  // a 64-row decode step's LM head fits
+  void trim() {
+    if (capacity_ > kKeepBytes) {
+      memory_.reset();
+      capacity_ = 0;
+    }
+  }
   void reset(size_t bytes) {
     if (bytes > capacity_) {
       capacity_ = (bytes + (1u << 16) - 1) / (1u << 16) * (1u << 16);
@@ -618,6 +627,7 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
         round_to_bf16(out + begin * n, y + begin * n, (end - begin) * n);
       });
     }
+    arena.trim();
   }
   return result;
 }

@@ -203,6 +203,18 @@ def test_packed_rows_read_back_as_their_gguf_rows(kvsentry_ops, qtype):
         assert (g is None and w is None) or torch.equal(g, w)
 
 
+def test_a_call_past_the_kept_scratch_then_small_ones(isa_ops):
+    # The op's per-thread scratch is kept between calls up to 16 MiB and released past it (a
+    # logprobs-sized LM head): calls around that size and after it still give the reference's bits.
+    kvsentry_ops = isa_ops
+    k = 64
+    for n, m in ((72000, 64), (40, 3), (72000, 1), (40, 64)):
+        raw = blocks(Q.Q8_0, n, k, seed=n + m)
+        packed = kvsentry_ops.int8_gemm_pack(raw, int(Q.Q8_0), k)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        assert torch.equal(kvsentry_ops.int8_gemm(x, packed, None, n), int8_gemm_reference(x, raw, int(Q.Q8_0))), (n, m)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0])
 def test_rows_op_gathers_the_values_the_torch_path_gives(kvsentry_ops, qtype):
     """int8_gemm_rows (csrc/cpu/cpu_int8_rows.cpp), the tied embedding's gather: the bits of
