@@ -492,7 +492,7 @@ void quantize([[maybe_unused]] VectorIsa isa, const float* x, int64_t blocks, Qu
 // conversion): round to nearest even, any NaN to 0xFFFF. A plain loop that the compiler
 // vectorizes, so that a bf16 caller's output is rounded without a second op's dispatch, its
 // float32 tensor and its copy kernel (about 1 us of a one-row linear's 2-20).
-void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t count) {
+void store_bf16_as_torch(const float* src, c10::BFloat16* dst, int64_t count) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < count; ++i) {
     uint32_t bits;
@@ -529,6 +529,7 @@ class Arena {
   T* take(size_t count) {
     T* at = reinterpret_cast<T*>(memory_.get() + used_);
     used_ += line(count * sizeof(T));
+    TORCH_CHECK(used_ <= capacity_, kOp, ": scratch taken past what reset() asked for");
     return at;
   }
   static size_t line(size_t bytes) { return (bytes + 63) / 64 * 64; }
@@ -624,7 +625,7 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
     if (bf16_in) {
       c10::BFloat16* y = result.data_ptr<c10::BFloat16>();
       at::parallel_for(0, m, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
-        round_to_bf16(out + begin * n, y + begin * n, (end - begin) * n);
+        store_bf16_as_torch(out + begin * n, y + begin * n, (end - begin) * n);
       });
     }
     arena.trim();

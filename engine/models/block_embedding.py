@@ -85,6 +85,8 @@ class BlockEmbedding(nn.Module):
         self.ggml_type, self.embedding_dim, self.dtype = rows.ggml_type, rows.k, dtype
         self.num_embeddings = rows.data.shape[0]
         self.packed = packed is not None
+        # csrc's gather where it takes the format (packed blocks exist only where the kernels run).
+        self._gather = registry.op("int8_gemm_rows") if self.packed and self.ggml_type in ROWS_OP_TYPES else None
         # [vocab, K / 32 * block bytes] uint8, or the packed [ceil(vocab / 16), K / 32, bytes].
         self.register_buffer("blocks", rows.data if packed is None else packed, persistent=False)
 
@@ -99,8 +101,8 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
         ids = input_ids.reshape(-1)
-        if self.packed and self.ggml_type in ROWS_OP_TYPES:  # packed blocks exist where the kernels run
-            values = registry.op("int8_gemm_rows")(self.blocks, ids)  # [tokens, K] float32
+        if self._gather is not None:
+            values = self._gather(self.blocks, ids)  # [tokens, K] float32
             return values.reshape(*input_ids.shape, self.embedding_dim).to(self.dtype)
         if self.packed:
             quants, scales, minima = packed_blocks(self.blocks, ids, self.ggml_type)
