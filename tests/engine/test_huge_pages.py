@@ -2,6 +2,8 @@
 transparent huge pages, carved without overlap, zeroed, and given back when freed."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import pytest
@@ -56,14 +58,21 @@ def test_zeros_of_the_shape_contiguous_and_separate():
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages on this OS")
 def test_memory_is_advised_for_huge_pages():
     """THPeligible is the kernel's own answer to "may this mapping get huge pages": 1 for
-    ours, where a plain torch tensor of the same size says 0 (THP `madvise` mode) -- so the
+    ours, where an unadvised anonymous mapping of the same size says 0 (THP `madvise` mode) -- so the
     test fails if the madvise is lost."""
     t = huge_page_zeros((4 * HUGE_PAGE,), torch.uint8)
     assert _mapping_of(t.data_ptr())["THPeligible"] == "1"
     if _thp_mode() == "madvise":
-        plain = torch.zeros(4 * HUGE_PAGE + 12345, dtype=torch.uint8)  # past malloc's mmap threshold
-        plain_entry = _mapping_of(plain.data_ptr())
-        assert plain_entry is not None and plain_entry["THPeligible"] == "0"
+        # The control is a fresh anonymous mapping nobody advised. (A plain torch tensor is no
+        # control: malloc may carve it from a heap or arena that something else advised.)
+        plain = mmap.mmap(-1, 4 * HUGE_PAGE)
+        view = (ctypes.c_char * len(plain)).from_buffer(plain)
+        try:
+            plain_entry = _mapping_of(ctypes.addressof(view))
+            assert plain_entry is not None and plain_entry["THPeligible"] == "0"
+        finally:
+            del view
+            plain.close()
 
 
 def test_a_large_tensor_gets_its_own_mapping_and_gives_it_back():
