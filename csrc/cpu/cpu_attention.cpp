@@ -174,7 +174,7 @@ struct RowOps<false> {
 // together: four rounds of shuffles and adds leave key t's sum in lane t.
 constexpr bool kTiles = true;
 
-inline __m512 reduce16(const __m512* v) {  // lane i = the sum of v[i]'s 16 lanes
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {  // lane i = the sum of v[i]'s 16 lanes
   __m512 w[8], z[4], u[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i] (low + high half), lanes 8-15: v[2i+1]
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -236,10 +236,45 @@ inline __m512 tile_dot(const float* q, const scalar_t* k, int64_t stride, int n,
 // The query is bf16 already (the q projection's output), so nothing is rounded that the
 // float path keeps; only the summation order (and denormal inputs, which it reads as 0)
 // differ from tile_dot.
+// Sixteen full rows, C = dim / 32 chunks: chunk by chunk over the rows, so the sixteen chains are
+// independent and live in registers (a row at a time waited out vdpbf16ps's latency at every
+// chunk, and the generic loop below zeroed and spilled its accumulators through the stack).
+// Each row's sum keeps the generic order: zero, then chunk 0, 1, ... in turn.
+template <int C>
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline __m512 tile_dot_bf16_full(
+    const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride) {
+  __m512 acc[16];
+  const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q);
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    acc[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k + t * stride));
+  }
+#pragma GCC unroll 8
+  for (int c = 1; c < C; ++c) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_dpbf16_ps(acc[t], qc, (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * c));
+    }
+  }
+  return reduce16(acc);
+}
+
 __attribute__((target("avx512f,avx512bf16"), noinline)) __m512 tile_dot_bf16(const c10::BFloat16* q,
                                                                                  const c10::BFloat16* k,
                                                                                  int64_t stride, int n,
                                                                                  int64_t dim) {
+  if (n == 16) {
+    switch (dim) {
+      case 32: return tile_dot_bf16_full<1>(q, k, stride);
+      case 64: return tile_dot_bf16_full<2>(q, k, stride);
+      case 96: return tile_dot_bf16_full<3>(q, k, stride);
+      case 128: return tile_dot_bf16_full<4>(q, k, stride);
+      case 192: return tile_dot_bf16_full<6>(q, k, stride);
+      case 256: return tile_dot_bf16_full<8>(q, k, stride);
+      default: break;
+    }
+  }
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) {
     acc[t] = _mm512_setzero_ps();
@@ -335,7 +370,7 @@ constexpr int64_t kMaxTileGroup = 64;  // query heads per KV head the tiled scor
 // over the row's `reads` table entries; top[g] = the largest score, NaN when any score is
 // NaN (as torch's max, so the softmax spreads it).
 template <typename scalar_t>
-void scores_tiled(const scalar_t* q, int64_t qs1, const float* qf, const scalar_t* kc, int64_t ks0, int64_t ks1,
+void scores_tiled(const kvsentry_paged::ItemAhead<scalar_t>& ahead, const scalar_t* q, int64_t qs1, const float* qf, const scalar_t* kc, int64_t ks0, int64_t ks1,
                   const scalar_t* vc, int64_t vs0, int64_t vs1, int64_t v_dim,
                   const int32_t* table, int64_t ts1, int64_t reads, int64_t block_size, int64_t len, int64_t group,
                   int64_t head_dim, int64_t span, float scale, float* probs, float* top, bool bf16_dot) {
@@ -354,6 +389,9 @@ void scores_tiled(const scalar_t* q, int64_t qs1, const float* qf, const scalar_
     }
     // The value rows too, for the value product that follows: it walks the same blocks.
     prefetch_rows(vc + static_cast<int64_t>(table[j * ts1]) * vs0, block_size, vs1, v_dim);
+    // An item ahead's K and V blocks into L2, one of its blocks per block of ours: table order
+    // scatters a request's blocks, and without this the kernel waits on DRAM (cpu_paged_prefetch.h).
+    ahead.block(j);
     for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
       const int64_t pos0 = j * block_size + t0;
       const int n = static_cast<int>(std::min<int64_t>(16, block_size - t0));
@@ -380,6 +418,7 @@ void scores_tiled(const scalar_t* q, int64_t qs1, const float* qf, const scalar_
       }
     }
   }
+  for (int64_t j = reads; j < ahead.reads; ++j) ahead.block(j);  // an item ahead's blocks past ours
   for (int64_t g = 0; g < group; ++g) {
     top[g] = nan[g] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best[g]);
   }
@@ -421,7 +460,14 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       const int64_t row_span = reads * block_size;
       const auto ahead = kvsentry_paged::item_ahead(item, end, num_kv_heads, tables, ts0, ts1, read_blocks, num_read,
                                                     kc, ks0, ks1, ks2, vc, vs0, vs1, vs2, block_size, head_dim, v_dim);
-      ahead.first_lines();  // an item ahead's block-heads start streaming (cpu_paged_prefetch.h)
+      // Items without the tiled scores touch the first line of an item ahead's block-heads
+      // (cpu_paged_prefetch.h); the tiled scores stream its blocks whole.
+#if defined(__AVX512F__)
+      const bool tiled = kWide && group <= kMaxTileGroup;
+#else
+      const bool tiled = false;
+#endif
+      if (!tiled) ahead.first_lines();
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + b * qs0 + (h * group + g) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);
@@ -429,8 +475,8 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       }
       // Scores, masked past the sequence's length.
 #if defined(__AVX512F__)
-      if (kWide && group <= kMaxTileGroup) {
-        scores_tiled<scalar_t>(q + b * qs0 + h * group * qs1, qs1, qf.data, kc + h * ks2, ks0, ks1,
+      if (tiled) {
+        scores_tiled<scalar_t>(ahead, q + b * qs0 + h * group * qs1, qs1, qf.data, kc + h * ks2, ks0, ks1,
                                vc + h * vs2, vs0, vs1, v_dim, tables + b * ts0, ts1, reads, block_size, len, group, head_dim, span, scale,
                                probs.data, top.data, bf16_dot);
       } else

@@ -244,11 +244,22 @@ KVS_INT8_TARGET void quantize_row(const float* x, int64_t blocks, QuantRow out) 
 
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// Outputs of G groups (from `w`, `stride` bytes apart) for R batch rows: y[r][16 g + lane].
+// store_bf16_as_torch on 16 lanes: round to nearest even, any NaN to 0xFFFF.
+KVS_INT8_TARGET inline __m256i bf16_as_torch(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// Outputs of G groups (from `w`, `stride` bytes apart) for R batch rows: y[r][16 g + lane],
+// float32 into out[r], or rounded to bf16 into out16[r] where out16 is given: the tile's
+// outputs leave as bf16 from registers, not through a float32 matrix read back after.
 // The *_round_ps intrinsics keep every product and sum its own rounding (no contraction to FMA).
 template <int64_t kType, int G, int R>
 KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, const QuantRow* rows, const float* bias,
-                          float* const* out, int valid) {
+                          float* const* out, c10::BFloat16* const* out16, int valid) {
   constexpr bool kSuper = kType == kQ4_K || kType == kQ6_K;  // super-blocks of 8 blocks of 32
   constexpr int64_t kBytes = kType == kQ4_K ? kQ4KBytes : kType == kQ6_K ? kQ6KBytes
                              : kType == kQ4_1 ? 320 : kType == kQ4_0 ? 288 : kType == kQ5_0 ? 352 : 544;
@@ -404,40 +415,52 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
     for (int r = 0; r < R; ++r) {
       __m512 y = acc[g][r];
       if (bias != nullptr) y = _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(mask, bias + 16 * g), kRound);
-      _mm512_mask_storeu_ps(out[r] + 16 * g, mask, y);
+      if (out16 != nullptr) {
+        _mm256_mask_storeu_epi16(out16[r] + 16 * g, mask, bf16_as_torch(y));
+      } else {
+        _mm512_mask_storeu_ps(out[r] + 16 * g, mask, y);
+      }
     }
   }
 }
 
 template <int64_t kType, int G>
 KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, const QuantRow* rows, int64_t m,
-                             const float* bias, float* y, int64_t n, int64_t n0) {
+                             const float* bias, float* y, c10::BFloat16* y16, int64_t n, int64_t n0) {
   const int valid = static_cast<int>(std::min<int64_t>(G * kGroup, n - n0));
   for (int64_t m0 = 0; m0 < m; m0 += 4) {
-    float* out[4];
-    for (int r = 0; r < 4; ++r) out[r] = y + (m0 + r) * n + n0;
+    float* out[4] = {};
+    c10::BFloat16* out16[4] = {};
+    for (int r = 0; r < 4; ++r) {
+      if (y16 != nullptr) {
+        out16[r] = y16 + (m0 + r) * n + n0;
+      } else {
+        out[r] = y + (m0 + r) * n + n0;
+      }
+    }
     const float* b = bias != nullptr ? bias + n0 : nullptr;
+    c10::BFloat16* const* o16 = y16 != nullptr ? out16 : nullptr;
     switch (std::min<int64_t>(4, m - m0)) {
-      case 4: tile<kType, G, 4>(w, stride, blocks, rows + m0, b, out, valid); break;
-      case 3: tile<kType, G, 3>(w, stride, blocks, rows + m0, b, out, valid); break;
-      case 2: tile<kType, G, 2>(w, stride, blocks, rows + m0, b, out, valid); break;
-      default: tile<kType, G, 1>(w, stride, blocks, rows + m0, b, out, valid); break;
+      case 4: tile<kType, G, 4>(w, stride, blocks, rows + m0, b, out, o16, valid); break;
+      case 3: tile<kType, G, 3>(w, stride, blocks, rows + m0, b, out, o16, valid); break;
+      case 2: tile<kType, G, 2>(w, stride, blocks, rows + m0, b, out, o16, valid); break;
+      default: tile<kType, G, 1>(w, stride, blocks, rows + m0, b, out, o16, valid); break;
     }
   }
 }
 
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
-               const float* bias, float* y, int64_t n) {
+               const float* bias, float* y, c10::BFloat16* y16, int64_t n) {
   const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
   const int64_t pairs = (groups + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* w = packed + 2 * p * stride;
       if (2 * p + 1 < groups) {
-        rows_of<kType, 2>(w, stride, blocks, rows, m, bias, y, n, 2 * p * kGroup);
+        rows_of<kType, 2>(w, stride, blocks, rows, m, bias, y, y16, n, 2 * p * kGroup);
       } else {
-        rows_of<kType, 1>(w, stride, blocks, rows, m, bias, y, n, 2 * p * kGroup);
+        rows_of<kType, 1>(w, stride, blocks, rows, m, bias, y, y16, n, 2 * p * kGroup);
       }
     }
   });
@@ -569,15 +592,22 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
   const Tensor x = x_in.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const int64_t m = x.size(0);
-  // The kernels write float32: into the result itself for a float32 caller, else into a scratch
-  // that is rounded into the bf16 result at the end.
+  // The kernels write float32 into the result itself for a float32 caller. For a bf16 caller the
+  // AVX-512 tiles round their outputs into it as they store them; the 256-bit and AMX kernels
+  // write a float32 scratch that is rounded into it at the end (the same bits either way).
   Tensor result = at::empty({m, n}, x.options());
+#if defined(__AVX512F__)
+  const bool tiles_store_bf16 = bf16_in && isa != VectorIsa::kAvxVnni && !kvsentry_int8::amx_takes(type, m);
+#else
+  const bool tiles_store_bf16 = false;
+#endif
   if (m > 0) {
     // [M, K] int8 quants (M rounded up to 16 with rows of zeros: the AMX path's tiles read 16
     // rows), [M, blocks] dx, sx, sum, half, the rows, [M, K] float32 of widened bf16 input, and
     // [M, N] float32 outputs for a bf16 caller.
     const size_t m16 = static_cast<size_t>((m + 15) / 16 * 16), mb = static_cast<size_t>(m * blocks);
-    const size_t widened = bf16_in ? static_cast<size_t>(m * k) : 0, outs = bf16_in ? static_cast<size_t>(m * n) : 0;
+    const size_t widened = bf16_in ? static_cast<size_t>(m * k) : 0;
+    const size_t outs = bf16_in && !tiles_store_bf16 ? static_cast<size_t>(m * n) : 0;
     thread_local Arena arena;
     arena.reset(Arena::line(m16 * k) + 4 * Arena::line(4 * mb) + Arena::line(sizeof(QuantRow) * m) +
                 Arena::line(4 * widened) + Arena::line(4 * outs));
@@ -607,6 +637,7 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* out = bf16_in ? scratch : result.data_ptr<float>();
+    c10::BFloat16* y16 = tiles_store_bf16 ? result.data_ptr<c10::BFloat16>() : nullptr;
     if (isa == VectorIsa::kAvxVnni) {
       kvsentry_int8::avx_vnni_gemm(type, w, groups, blocks, rows, m, b, out, n);
     } else if (kvsentry_int8::amx_takes(type, m)) {
@@ -614,15 +645,15 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
       kvsentry_int8::amx_gemm(type, w, groups, blocks, q, dx, sx, m, b, out, n);
     } else {
 #if defined(__AVX512F__)
-    if (type == kQ4_0) gemm_type<kQ4_0>(w, groups, blocks, rows, m, b, out, n);
-    if (type == kQ4_1) gemm_type<kQ4_1>(w, groups, blocks, rows, m, b, out, n);
-    if (type == kQ8_0) gemm_type<kQ8_0>(w, groups, blocks, rows, m, b, out, n);
-    if (type == kQ5_0) gemm_type<kQ5_0>(w, groups, blocks, rows, m, b, out, n);
-    if (type == kQ4_K) gemm_type<kQ4_K>(w, groups, blocks, rows, m, b, out, n);
-    if (type == kQ6_K) gemm_type<kQ6_K>(w, groups, blocks, rows, m, b, out, n);
+    if (type == kQ4_0) gemm_type<kQ4_0>(w, groups, blocks, rows, m, b, out, y16, n);
+    if (type == kQ4_1) gemm_type<kQ4_1>(w, groups, blocks, rows, m, b, out, y16, n);
+    if (type == kQ8_0) gemm_type<kQ8_0>(w, groups, blocks, rows, m, b, out, y16, n);
+    if (type == kQ5_0) gemm_type<kQ5_0>(w, groups, blocks, rows, m, b, out, y16, n);
+    if (type == kQ4_K) gemm_type<kQ4_K>(w, groups, blocks, rows, m, b, out, y16, n);
+    if (type == kQ6_K) gemm_type<kQ6_K>(w, groups, blocks, rows, m, b, out, y16, n);
 #endif
     }
-    if (bf16_in) {
+    if (bf16_in && !tiles_store_bf16) {
       c10::BFloat16* y = result.data_ptr<c10::BFloat16>();
       at::parallel_for(0, m, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
         store_bf16_as_torch(out + begin * n, y + begin * n, (end - begin) * n);

@@ -317,6 +317,32 @@ def test_score_paths_match_reference(kvsentry_ops, bf16_dot, use_dot, heads, hea
     torch.testing.assert_close(run_kernel(kvsentry_ops, *f32), run_reference(*f32), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+def test_full_tiles_give_the_generic_loops_bits(kvsentry_ops, bf16_dot, head_dim):
+    """A block of 16 keys runs the unrolled bf16 dot products (one per head_dim above), a block
+    of 8 the generic loop. The same keys in either layout give the same bits: each key's score
+    is summed in the same order."""
+    if not bf16_dot(True):
+        pytest.skip("no AVX512-BF16 on this CPU (or an AVX2 build): the bf16 dot products cannot run here")
+    g = torch.Generator().manual_seed(head_dim)
+    batch, heads, kv_heads, length = 3, 6, 2, 80
+    keys = torch.randn(batch, length, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    values = torch.randn(batch, length, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    query = torch.randn(batch, heads, head_dim, generator=g).to(torch.bfloat16)
+    seq_lens = torch.tensor([length, 61, 17])
+    outs = []
+    for block_size in (16, 8):
+        per = length // block_size
+        # Request b's blocks are 1 + b * per ...; block 0 is the null block the tables pad with.
+        k_cache = torch.zeros(1 + batch * per, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        k_cache[1:] = keys.reshape(batch * per, block_size, kv_heads, head_dim)
+        v_cache[1:] = values.reshape(batch * per, block_size, kv_heads, head_dim)
+        tables = (1 + torch.arange(batch * per, dtype=torch.int32)).view(batch, per)
+        outs.append(run_kernel(kvsentry_ops, query, k_cache, v_cache, tables, seq_lens, per))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 def test_bf16_dot_reports_the_cpu(kvsentry_ops, bf16_dot):
     """On when the CPU has AVX512-BF16 (and the build AVX-512), off when turned off."""
     cpuinfo = Path("/proc/cpuinfo")
