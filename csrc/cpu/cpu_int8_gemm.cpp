@@ -220,29 +220,102 @@ Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
 #if defined(__AVX512F__)
 #define KVS_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
-KVS_INT8_TARGET void quantize_row(const float* x, int64_t blocks, QuantRow out) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float dx = amax / 127.0f;  // a division, as torch's (GCC keeps it without -ffast-math)
-    const float inverse = dx != 0.0f ? 1.0f / dx : 0.0f;
-    const __m512 scale = _mm512_set1_ps(inverse);
-    // Rounded to nearest even (MXCSR's default), as torch.round.
-    const __m512i qlo = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(lo, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(hi, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + 32 * b), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + 32 * b + 16), _mm512_cvtepi32_epi8(qhi));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    out.dx[b] = dx;
-    out.sum[b] = sum;
-    out.half[b] = _mm512_reduce_add_epi32(qlo);
-    out.sx[b] = dx * static_cast<float>(sum);
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// 32 values of block b as two float32 vectors: float32 as they are, bf16 widened (exact).
+KVS_INT8_TARGET inline void load_block(const float* x, int64_t b, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(x + 32 * b);
+  hi = _mm512_loadu_ps(x + 32 * b + 16);
+}
+
+KVS_INT8_TARGET inline void load_block(const c10::BFloat16* x, int64_t b, __m512& lo, __m512& hi) {
+  const auto widen = [](const c10::BFloat16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  lo = widen(x + 32 * b);
+  hi = widen(x + 32 * b + 16);
+}
+
+// Lane i: the maximum (kMax) or integer sum of v[i]'s 16 lanes, for 16 vectors at once (four
+// rounds of shuffles, where one vector at a time takes four rounds for each).
+template <bool kMax>
+KVS_INT8_TARGET inline __m512i lanes16(const __m512i* v) {
+  const auto op = [](__m512i a, __m512i b) {
+    if constexpr (kMax) {
+      return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+    } else {
+      return _mm512_add_epi32(a, b);
+    }
+  };
+  __m512i w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {
+    z[j] = op(_mm512_shuffle_i32x4(w[2 * j], w[2 * j + 1], 0x88), _mm512_shuffle_i32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  }
+  const auto pick = [](__m512i a, __m512i b, int imm_lo) {  // 32-bit lanes 0-1 | 2-3 of each quarter
+    return imm_lo == 0x44 ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0x44))
+                          : _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0xEE));
+  };
+  for (int m = 0; m < 2; ++m) u[m] = op(pick(z[2 * m], z[2 * m + 1], 0x44), pick(z[2 * m], z[2 * m + 1], 0xEE));
+  const __m512i s = op(_mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(u[0]), _mm512_castsi512_ps(u[1]), 0x88)),
+                       _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(u[0]), _mm512_castsi512_ps(u[1]), 0xDD)));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
+// Blocks of 32 values to int8, the reference's arithmetic: dx = amax / 127, q = round(x / dx)
+// (x * (1 / dx), nearest even), the block's quant sum and its first half's, sx = dx * sum. Sixteen
+// blocks at a time: their maxima and sums reduced together (lanes16), the divisions as vectors
+// (each lane the same IEEE division as a scalar's).
+template <typename scalar_t>
+KVS_INT8_TARGET void quantize_row(const scalar_t* x, int64_t blocks, QuantRow out) {
+  const __m512 zero = _mm512_setzero_ps(), limit = _mm512_set1_ps(127.0f);
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, blocks - b0));
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    __m512i vmax[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i < n) {
+        __m512 lo, hi;
+        load_block(x, b0 + i, lo, hi);
+        vmax[i] = _mm512_castps_si512(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      } else {
+        vmax[i] = _mm512_setzero_si512();
+      }
+    }
+    const __m512 amax = _mm512_castsi512_ps(lanes16<true>(vmax));
+    const __m512 dx = _mm512_div_ps(amax, limit);  // a division, as torch's
+    const __m512 inverse = _mm512_mask_div_ps(zero, _mm512_cmp_ps_mask(dx, zero, _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), dx);
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, inverse);
+    __m512i vsum[16], vhalf[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i < n) {
+        __m512 lo, hi;
+        load_block(x, b0 + i, lo, hi);
+        const __m512 scale = _mm512_set1_ps(inv[i]);
+        // Rounded to nearest even (MXCSR's default), as torch.round.
+        const __m512i qlo = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(lo, scale, kRound), kRound);
+        const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(hi, scale, kRound), kRound);
+        int8_t* q = out.q + 32 * (b0 + i);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+        vsum[i] = _mm512_add_epi32(qlo, qhi);
+        vhalf[i] = qlo;
+      } else {
+        vsum[i] = vhalf[i] = _mm512_setzero_si512();
+      }
+    }
+    const __m512i sum = lanes16<false>(vsum);
+    _mm512_mask_storeu_ps(out.dx + b0, live, dx);
+    _mm512_mask_storeu_epi32(out.sum + b0, live, sum);
+    _mm512_mask_storeu_epi32(out.half + b0, live, lanes16<false>(vhalf));
+    _mm512_mask_storeu_ps(out.sx + b0, live, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(sum)));
   }
 }
 
-constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 // store_bf16_as_torch on 16 lanes: round to nearest even, any NaN to 0xFFFF.
 KVS_INT8_TARGET inline __m256i bf16_as_torch(__m512 y) {
@@ -511,6 +584,21 @@ void quantize([[maybe_unused]] VectorIsa isa, const float* x, int64_t blocks, Qu
   kvsentry_int8::avx_vnni_quantize_row(x, blocks, out);
 }
 
+// The 512-bit kernel quantizes a bf16 row as it reads it; the 256-bit one takes float32.
+bool quantizes_bf16([[maybe_unused]] VectorIsa isa) {
+#if defined(__AVX512F__)
+  return isa == VectorIsa::kAvx512Vnni;
+#else
+  return false;
+#endif
+}
+
+void quantize([[maybe_unused]] VectorIsa isa, const c10::BFloat16* x, int64_t blocks, QuantRow out) {
+#if defined(__AVX512F__)
+  quantize_row(x, blocks, out);
+#endif
+}
+
 // float32 -> bfloat16 with the bits of y.to(torch.bfloat16) on CPU (ATen's vectorized
 // conversion): round to nearest even, any NaN to 0xFFFF. A plain loop that the compiler
 // vectorizes, so that a bf16 caller's output is rounded without a second op's dispatch, its
@@ -588,7 +676,8 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
     TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == n, kOp, ": bias must be [", n, "]");
     bias = bias_in->to(at::kFloat).contiguous();
   }
-  // bf16 activations are widened a row at a time as they are quantized (exact), not copied whole.
+  // bf16 activations are widened as they are quantized (exact): in registers by the 512-bit kernel,
+  // a row at a time into float32 for the 256-bit one.
   const Tensor x = x_in.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const int64_t m = x.size(0);
@@ -606,7 +695,8 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
     // rows), [M, blocks] dx, sx, sum, half, the rows, [M, K] float32 of widened bf16 input, and
     // [M, N] float32 outputs for a bf16 caller.
     const size_t m16 = static_cast<size_t>((m + 15) / 16 * 16), mb = static_cast<size_t>(m * blocks);
-    const size_t widened = bf16_in ? static_cast<size_t>(m * k) : 0;
+    const bool widen = bf16_in && !quantizes_bf16(isa);  // bf16 rows widened to float32 first
+    const size_t widened = widen ? static_cast<size_t>(m * k) : 0;
     const size_t outs = bf16_in && !tiles_store_bf16 ? static_cast<size_t>(m * n) : 0;
     thread_local Arena arena;
     arena.reset(Arena::line(m16 * k) + 4 * Arena::line(4 * mb) + Arena::line(sizeof(QuantRow) * m) +
@@ -625,7 +715,11 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
       for (int64_t r = begin; r < end; ++r) {
         rows[r] = QuantRow{q + r * k, dx + r * blocks, sum + r * blocks, sx + r * blocks, half + r * blocks};
         const float* row = static_cast<const float*>(xs) + r * k;
-        if (bf16_in) {
+        if (bf16_in && !widen) {
+          quantize(isa, static_cast<const c10::BFloat16*>(xs) + r * k, blocks, rows[r]);
+          continue;
+        }
+        if (widen) {
           const auto* raw = static_cast<const c10::BFloat16*>(xs) + r * k;
           float* widened_row = wide + r * k;
           for (int64_t i = 0; i < k; ++i) widened_row[i] = static_cast<float>(raw[i]);
