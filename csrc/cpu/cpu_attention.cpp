@@ -705,6 +705,8 @@ bool cpu_attention_amx(std::optional<bool> enable) {
 
 bool kvsentry_amx::attention_amx_enabled() { return g_amx_enabled.on(); }
 
+bool kvsentry_amx::bf16_dot_enabled() { return cpu_has_bf16_dot() && g_bf16_dot_enabled.on(); }
+
 TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "

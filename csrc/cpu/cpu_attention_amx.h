@@ -23,6 +23,10 @@ void decode_attention_amx(at::Tensor& out, const at::Tensor& query, const at::Te
 // kernels on an AMX CPU) and on; the CPU and shapes still decide.
 bool attention_amx_enabled();
 
+// Whether bf16 attention may multiply with AVX512-BF16 dot products (the CPU has them and the
+// test build's cpu_bf16_dot did not turn them off): decode's scores, prefill's vector tiles.
+bool bf16_dot_enabled();
+
 // Whether the AMX prefill path takes these tensors: bf16, head_dim a multiple of 32 up to 128,
 // v_dim a multiple of 32, blocks of a multiple of 16 tokens, a CPU (and build) with AMX-BF16.
 bool prefill_attention_amx_fits(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache);

@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -112,6 +113,73 @@ inline void value_dims(const float* vf, int64_t v_dim, int64_t d0, const float* 
   for (int j = 0; j < 16; ++j) _mm512_storeu_ps(os + (d0 + j) * kLanes, acc[j]);
 }
 
+// The same two for a bf16 cache on CPUs with AVX512-BF16: vdpbf16ps multiplies pairs of bf16
+// (exactly) and adds them in float32, 32 products an instruction where an FMA does 16.
+// Scores: s[key] += Q^T pair [d, d + 1] (the lanes) . the key's own pair, broadcast from its raw
+// bf16 row. Values: os[d] += P pair [key, key + 1] (the lanes, bf16) . V^T pair [d] of those keys.
+// Only the summation order (pairs) and denormal inputs (read as 0) differ from the float tiles.
+__attribute__((target("avx512f,avx512bf16"))) void score_keys_bf16(const uint16_t* kb, int64_t dim,
+                                                                  const uint32_t* qt2, float* s) {
+  __m512 acc[kKeys];
+  for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 2) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qt2 + (d / 2) * kLanes);
+    for (int i = 0; i < kKeys; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, kb + i * dim + d, 4);
+      acc[i] = _mm512_dpbf16_ps(acc[i], q, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+    }
+  }
+  for (int i = 0; i < kKeys; ++i) _mm512_storeu_ps(s + i * kLanes, acc[i]);
+}
+
+// vt2 [pairs][v_dim]: the 32-bit pair (V[2k][d], V[2k + 1][d]); p2 [pairs][lanes] the same of P.
+// `odd`: the last pair's second key is past the keys any lane sees, and is kept out (its V
+// may be a real position's NaN, which a 0 probability would still spread).
+__attribute__((target("avx512f,avx512bf16"))) void value_dims_bf16(const uint32_t* vt2, int64_t v_dim, int64_t d0,
+                                                                  const uint32_t* p2, int64_t pairs, bool odd,
+                                                                  float* os) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const int64_t full = odd ? pairs - 1 : pairs;
+  for (int64_t k = 0; k < full; ++k) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(p2 + k * kLanes);
+    const uint32_t* v = vt2 + k * v_dim + d0;
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(v[j])));
+    }
+  }
+  if (odd) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(p2 + full * kLanes);
+    const uint32_t* v = vt2 + full * v_dim + d0;
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(v[j] & 0xFFFFu)));
+    }
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(os + (d0 + j) * kLanes, acc[j]);
+}
+
+// Rows [0, len) of one KV head as they are (bf16) into dst [rows][dim], zero past len.
+void gather_raw(const c10::BFloat16* cache, int64_t s0, int64_t s1, int64_t s2, const int32_t* table, int64_t ts1,
+                int64_t block_size, int64_t h, int64_t len, int64_t rows, int64_t dim, uint16_t* dst) {
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const int64_t j = pos / block_size;
+    const auto* src = cache + static_cast<int64_t>(table[j * ts1]) * s0 + (pos - j * block_size) * s1 + h * s2;
+    std::memcpy(dst + pos * dim, src, static_cast<size_t>(dim) * 2);
+  }
+  std::fill(dst + len * dim, dst + rows * dim, uint16_t{0});
+}
+
+// V^T pairs from the raw rows: vt2[k][d] = V[2k][d] | V[2k + 1][d] << 16 (rows even).
+void pair_rows(const uint16_t* raw, int64_t rows, int64_t dim, uint32_t* vt2) {
+  for (int64_t k = 0; k < rows / 2; ++k) {
+    const uint16_t* a = raw + 2 * k * dim;
+    const uint16_t* b = a + dim;
+    uint32_t* out = vt2 + k * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<uint32_t>(a[d]) | (static_cast<uint32_t>(b[d]) << 16);
+  }
+}
+
 // Q^T [dim][lanes] float32 from the lanes' query rows (element offsets `row` from q0); lanes
 // outside `used` zero. bf16: one 32-bit gather per pair of dims, split into the two rows.
 inline void load_queries(const float* q0, __m512i row, __mmask16 used, int64_t dim, float* qt) {
@@ -125,6 +193,13 @@ inline void load_queries(const c10::BFloat16* q0, __m512i row, __mmask16 used, i
     const __m512i both = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), used, row, q0 + d, 2);
     _mm512_storeu_si512(qt + d * kLanes, _mm512_slli_epi32(both, 16));
     _mm512_storeu_si512(qt + (d + 1) * kLanes, _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// Q^T pairs [dim / 2][lanes]: each lane's (q[d], q[d + 1]) as one 32-bit bf16 pair.
+inline void load_query_pairs(const c10::BFloat16* q0, __m512i row, __mmask16 used, int64_t dim, uint32_t* qt2) {
+  for (int64_t d = 0; d < dim; d += 2) {
+    _mm512_storeu_si512(qt2 + (d / 2) * kLanes, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), used, row, q0 + d, 2));
   }
 }
 
@@ -142,6 +217,10 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
   const int64_t group = a.group, per_tile = kLanes / group;  // tokens a tile
   std::vector<float> kf, vf, sc;
   std::vector<float> qt(static_cast<size_t>(a.head_dim * kLanes));  // [D][lanes]
+  // The bf16 dot-product path: raw K and V rows, V^T and P as pairs of keys, Q^T pairs.
+  const bool dot = kBf16 && a.head_dim % 2 == 0 && kvsentry_amx::bf16_dot_enabled();
+  std::vector<uint16_t> kb, vb;
+  std::vector<uint32_t> vt2, p2, qt2(static_cast<size_t>((a.head_dim + 1) / 2 * kLanes));
   std::vector<float> os(static_cast<size_t>(a.v_dim * kLanes));     // [Dv][lanes]
   // os [dim][lane]: a lane's dims lie kLanes apart.
   const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kLanes),
@@ -156,8 +235,21 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
     kf.resize(static_cast<size_t>(rows * a.head_dim));
     vf.resize(static_cast<size_t>(rows * a.v_dim));
     sc.resize(static_cast<size_t>(rows * kLanes));
-    gather_rows(a.kc, a.ks0, a.ks1, a.ks2, table, a.ts1, a.block_size, h, len, rows, a.head_dim, kf.data());
-    gather_rows(a.vc, a.vs0, a.vs1, a.vs2, table, a.ts1, a.block_size, h, len, rows, a.v_dim, vf.data());
+    if constexpr (kBf16) {
+      if (dot) {
+        kb.resize(static_cast<size_t>(rows * a.head_dim));
+        vb.resize(static_cast<size_t>(rows * a.v_dim));
+        vt2.resize(static_cast<size_t>(rows / 2 * a.v_dim));
+        p2.resize(static_cast<size_t>(rows / 2 * kLanes));
+        gather_raw(a.kc, a.ks0, a.ks1, a.ks2, table, a.ts1, a.block_size, h, len, rows, a.head_dim, kb.data());
+        gather_raw(a.vc, a.vs0, a.vs1, a.vs2, table, a.ts1, a.block_size, h, len, rows, a.v_dim, vb.data());
+        pair_rows(vb.data(), rows, a.v_dim, vt2.data());
+      }
+    }
+    if (!dot) {
+      gather_rows(a.kc, a.ks0, a.ks1, a.ks2, table, a.ts1, a.block_size, h, len, rows, a.head_dim, kf.data());
+      gather_rows(a.vc, a.vs0, a.vs1, a.vs2, table, a.ts1, a.block_size, h, len, rows, a.v_dim, vf.data());
+    }
     for (int64_t t0 = 0; t0 < num_new; t0 += per_tile) {
       const int64_t n = std::min(per_tile, num_new - t0);  // the tile's tokens
       const int64_t live = ctx + t0 + n;  // keys any lane sees
@@ -170,13 +262,23 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
         row[l] = t < n ? static_cast<int32_t>(t * a.qs0 + (l % group) * a.qs1) : 0;
       }
       const __mmask16 used = static_cast<__mmask16>((1u << (n * group)) - 1);
-      load_queries(a.q + (first + t0) * a.qs0 + h * group * a.qs1, _mm512_load_si512(row), used, a.head_dim,
-                   qt.data());
-      const __m512i seen = _mm512_load_si512(position);
       const int64_t live_rows = (live + kKeys - 1) / kKeys * kKeys;
-      for (int64_t k0 = 0; k0 < live_rows; k0 += kKeys) {
-        score_keys(kf.data() + k0 * a.head_dim, a.head_dim, qt.data(), sc.data() + k0 * kLanes);
+      if (dot) {
+        if constexpr (kBf16) {
+          load_query_pairs(a.q + (first + t0) * a.qs0 + h * group * a.qs1, _mm512_load_si512(row), used, a.head_dim,
+                           qt2.data());
+          for (int64_t k0 = 0; k0 < live_rows; k0 += kKeys) {
+            score_keys_bf16(kb.data() + k0 * a.head_dim, a.head_dim, qt2.data(), sc.data() + k0 * kLanes);
+          }
+        }
+      } else {
+        load_queries(a.q + (first + t0) * a.qs0 + h * group * a.qs1, _mm512_load_si512(row), used, a.head_dim,
+                     qt.data());
+        for (int64_t k0 = 0; k0 < live_rows; k0 += kKeys) {
+          score_keys(kf.data() + k0 * a.head_dim, a.head_dim, qt.data(), sc.data() + k0 * kLanes);
+        }
       }
+      const __m512i seen = _mm512_load_si512(position);
       // Scaled, causally masked, each lane's maximum.
       const __m512 best = kvsentry_math::scale_mask_max(sc.data(), live, seen, a.scale);
       // The sum divides the output instead of the probabilities (for bf16 the same rounding, relative).
@@ -188,7 +290,21 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
         if constexpr (kBf16) p = kvsentry_quant::round_to_bf16(p);
         _mm512_storeu_ps(s, p);
       }
-      for (int64_t d0 = 0; d0 < a.v_dim; d0 += 16) value_dims(vf.data(), a.v_dim, d0, sc.data(), live, os.data());
+      if (dot) {
+        // The probabilities (bf16 values already) as pairs of keys, lane by lane; past `live`, 0.
+        const int64_t pairs = (live + 1) / 2;
+        for (int64_t k = 0; k < pairs; ++k) {
+          const __m512i even = _mm512_srli_epi32(_mm512_loadu_si512(&sc[2 * k * kLanes]), 16);
+          const __m512i odd = 2 * k + 1 < live ? _mm512_srli_epi32(_mm512_loadu_si512(&sc[(2 * k + 1) * kLanes]), 16)
+                                               : _mm512_setzero_si512();
+          _mm512_storeu_si512(&p2[k * kLanes], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        }
+        for (int64_t d0 = 0; d0 < a.v_dim; d0 += 16) {
+          value_dims_bf16(vt2.data(), a.v_dim, d0, p2.data(), pairs, live % 2 == 1, os.data());
+        }
+      } else {
+        for (int64_t d0 = 0; d0 < a.v_dim; d0 += 16) value_dims(vf.data(), a.v_dim, d0, sc.data(), live, os.data());
+      }
       alignas(64) float inv[kLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
       for (int64_t l = 0; l < n * group; ++l) {

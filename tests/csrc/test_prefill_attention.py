@@ -30,11 +30,18 @@ def vector(kvsentry_ops):
     kvsentry_ops.cpu_attention_amx(True)
 
 
-@pytest.fixture(params=["amx", "vector-bf16", "vector-float32"])
+@pytest.fixture(params=["amx", "vector-bf16", "vector-bf16-widened", "vector-float32"])
 def kernel(request):
-    """(the ops with that kernel chosen, the dtype it runs)."""
+    """(the ops with that kernel chosen, the dtype it runs). `vector-bf16` multiplies with
+    AVX512-BF16 dot products where the CPU has them (skipped where not: it would rerun the
+    widened path); `vector-bf16-widened` turns them off, widening bf16 to float32 FMAs."""
     name = request.param
     ops = request.getfixturevalue("amx" if name == "amx" else "vector")
+    if name.startswith("vector-bf16"):
+        dot = name == "vector-bf16"
+        if ops.cpu_bf16_dot(dot) != dot:
+            pytest.skip("no AVX512-BF16 on this CPU (or an AVX2 build): the bf16 dot products cannot run here")
+        request.addfinalizer(lambda: ops.cpu_bf16_dot(True))
     return ops, torch.float32 if name.endswith("float32") else torch.bfloat16
 
 
@@ -159,6 +166,23 @@ def test_a_nan_past_the_length_is_never_read_and_one_a_token_sees_spreads(kernel
     value_cache[3, 10, 0, 7] = float("nan")
     ops.paged_prefill_attention(out, query, key_cache, value_cache, tables, [20], [0, 20], 0.125)
     assert bool(torch.isnan(out[10:]).any(-1).all())
+
+
+def test_a_nan_no_lane_of_a_tile_sees_stays_out_of_it(kernel):
+    """Three query heads on one KV head: 16 // 3 = 5 tokens a vector tile, so the first tile
+    sees keys 0-4, an odd count. A NaN at position 5 reaches tokens 5 on and none of 0-4: the
+    bf16 dot products multiply keys in pairs, and the pair (4, 5) must leave key 5 out."""
+    ops, dtype = kernel
+    generator = torch.Generator().manual_seed(11)
+    key_cache = paged(4, 16, 1, 64, generator, dtype)
+    value_cache = paged(4, 16, 1, 64, generator, dtype)
+    tables = torch.tensor([[2]], dtype=torch.int32)
+    query = torch.randn(12, 3, 64, generator=generator).to(dtype)
+    out = torch.zeros(12, 3, 64, dtype=dtype)
+    value_cache[2, 5, 0, 9] = float("nan")
+    ops.paged_prefill_attention(out, query, key_cache, value_cache, tables, [12], [0, 12], 0.125)
+    assert bool(torch.isfinite(out[:5]).all())
+    assert bool(torch.isnan(out[5:]).any(-1).all())
 
 
 def test_checks(kvsentry_ops):
