@@ -24,7 +24,10 @@
 // at a time; engine/attention.py, PrefillPlan). On this project's CPU that is
 // faster than torch's flash SDPA, whose inner GEMMs take MKL's generic path.
 //
-// Accumulation is float32 for every cache dtype (float32, bfloat16, float16).
+// Accumulation is float32 for every cache dtype (float32, bfloat16, float16). On CPUs with
+// AVX512-BF16 a bf16 cache's scores and value product multiply bf16 pairs (vdpbf16ps); the
+// value product then takes the probabilities rounded to bf16, as the reference's softmax
+// `.to(v.dtype)` does.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -364,6 +367,82 @@ void value_product(const scalar_t* vc, int64_t vs0, int64_t vs1, const int32_t* 
 }
 
 #if defined(__AVX512F__)
+// The value product for a bf16 cache on CPUs with AVX512-BF16: the probabilities rounded to bf16
+// first, as the reference does (its softmax `.to(v.dtype)` before the matmul), then vdpbf16ps over
+// pairs of positions, 32 products an instruction where the widened path's FMAs do 16. pb holds
+// the G heads' probabilities as bf16 (`span` apart; block_size even, so a pair never straddles
+// blocks). Two rows' 32 dims interleave into pairs with one unpack each way: lane 4L + j of the
+// low half is dim 8L + j of the slice, of the high half 8L + 4 + j; acc gets them back in order.
+// S slices of 32 dims a pass keep G x 2S accumulators in registers.
+template <int G, int S>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void value_slices_bf16(
+    const c10::BFloat16* vc, int64_t vs0, int64_t vs1, const int32_t* table, int64_t ts1, int64_t reads,
+    int64_t block_size, const uint16_t* pb, int64_t span, int64_t v_dim, float* acc, int64_t s0) {
+  __m512 a[G][S][2];
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < S; ++i) a[g][i][0] = a[g][i][1] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < reads; ++j) {
+    const c10::BFloat16* vblock = vc + static_cast<int64_t>(table[j * ts1]) * vs0 + 32 * s0;
+    const uint16_t* pj = pb + j * block_size;
+    for (int64_t t = 0; t < block_size; t += 2) {
+      __m512i lo[S], hi[S];
+      for (int i = 0; i < S; ++i) {
+        const __m512i r0 = _mm512_loadu_si512(vblock + t * vs1 + 32 * i);
+        const __m512i r1 = _mm512_loadu_si512(vblock + (t + 1) * vs1 + 32 * i);
+        lo[i] = _mm512_unpacklo_epi16(r0, r1);
+        hi[i] = _mm512_unpackhi_epi16(r0, r1);
+      }
+      for (int g = 0; g < G; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, pj + g * span + t, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int i = 0; i < S; ++i) {
+          a[g][i][0] = _mm512_dpbf16_ps(a[g][i][0], (__m512bh)lo[i], w);
+          a[g][i][1] = _mm512_dpbf16_ps(a[g][i][1], (__m512bh)hi[i], w);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < S; ++i) {
+      alignas(64) float half[2][16];
+      _mm512_store_ps(half[0], a[g][i][0]);
+      _mm512_store_ps(half[1], a[g][i][1]);
+      float* out = acc + g * v_dim + 32 * (s0 + i);
+      for (int h = 0; h < 2; ++h) {
+        for (int lane = 0; lane < 16; ++lane) out[8 * (lane / 4) + 4 * h + lane % 4] = half[h][lane];
+      }
+    }
+  }
+}
+
+template <int G>
+void value_product_bf16(const c10::BFloat16* vc, int64_t vs0, int64_t vs1, const int32_t* table, int64_t ts1,
+                        int64_t reads, int64_t block_size, const uint16_t* pb, int64_t span, int64_t v_dim,
+                        float* acc) {
+  constexpr int kSlices = G <= 6 ? 2 : 1;  // 32-dim slices a pass: G x 2 x kSlices accumulators
+  int64_t s = 0;
+  for (; s + kSlices <= v_dim / 32; s += kSlices) {
+    value_slices_bf16<G, kSlices>(vc, vs0, vs1, table, ts1, reads, block_size, pb, span, v_dim, acc, s);
+  }
+  for (; s < v_dim / 32; ++s) value_slices_bf16<G, 1>(vc, vs0, vs1, table, ts1, reads, block_size, pb, span, v_dim, acc, s);
+}
+
+// Probabilities to bf16 as torch's .to(bfloat16) rounds them (nearest even; NaN stays NaN).
+__attribute__((target("avx512f,avx512bw"))) void probs_to_bf16(const float* p, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(p + i);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+  }
+  for (; i < n; ++i) out[i] = c10::BFloat16(p[i]).x;
+}
+
 constexpr int64_t kMaxTileGroup = 64;  // query heads per KV head the tiled scores handle
 
 // probs[g * span + pos] = scale * (q_g . k_pos) for the positions pos < len, -inf past it,
@@ -449,10 +528,13 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   [[maybe_unused]] const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0 &&
                                          cpu_has_bf16_dot() && g_bf16_dot_enabled.on();
+  [[maybe_unused]] const bool value_dot = bf16_dot && kWide && group <= kMaxSharedGroup && block_size % 2 == 0 &&
+                                          v_dim % 32 == 0;
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     using Ops = RowOps<kWide>;
     Scratch qf(group * head_dim), probs(group * span), acc(group * v_dim), top(group);
+    Scratch pbf(value_dot ? (group * span + 1) / 2 : 0);  // the probabilities as bf16, value_dot's
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = lens[b];
@@ -526,7 +608,29 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         for (int64_t pos = 0; pos < row_span; ++pos) p[pos] /= total;
       }
       // Weighted values over every position read, masked ones with weight 0.
-      if constexpr (kWide) {
+      bool done = false;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (value_dot) {
+          uint16_t* pb = reinterpret_cast<uint16_t*>(pbf.data);
+          for (int64_t g = 0; g < group; ++g) probs_to_bf16(&probs[g * span], row_span, pb + g * span);
+          const scalar_t* vhead = vc + h * vs2;
+          const int32_t* table = tables + b * ts0;
+          switch (group) {
+#define KVS_VALUE_CASE(G)                                                                                 \
+  case G:                                                                                                 \
+    value_product_bf16<G>(vhead, vs0, vs1, table, ts1, reads, block_size, pb, span, v_dim, acc.data); \
+    break;
+            KVS_VALUE_CASE(1) KVS_VALUE_CASE(2) KVS_VALUE_CASE(3) KVS_VALUE_CASE(4)
+            KVS_VALUE_CASE(5) KVS_VALUE_CASE(6) KVS_VALUE_CASE(7) KVS_VALUE_CASE(8)
+#undef KVS_VALUE_CASE
+          }
+          done = true;
+        }
+      }
+#endif
+      if (done) {  // value_dot's product, above
+      } else if constexpr (kWide) {
         // One 16-lane output chunk at a time, accumulated in registers (two chains, to
         // hide the FMA latency); a head's V rows stay in L2 across the chunks. Small query
         // groups load (and widen) each V row once for the whole group.
