@@ -49,6 +49,8 @@
 #include "cpu_attention_amx.h"
 #include "cpu_fast_exp.h"
 #include "cpu_paged_prefetch.h"
+#include "cpu_quant_panels.h"
+#include "cpu_reduce16.h"
 #include "../common/debug_switch.h"
 
 namespace {
@@ -177,23 +179,9 @@ struct RowOps<false> {
 // together: four rounds of shuffles and adds leave key t's sum in lane t.
 constexpr bool kTiles = true;
 
-__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {  // lane i = the sum of v[i]'s 16 lanes
-  __m512 w[8], z[4], u[2];
-  for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i] (low + high half), lanes 8-15: v[2i+1]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int j = 0; j < 4; ++j) {  // 128-bit quarter k: v[4j + k]
-    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
-  }
-  for (int m = 0; m < 2; ++m) {  // quarter k, lanes 0-1: v[8m + k], lanes 2-3: v[8m + 4 + k]
-    u[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x44),
-                         _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0xEE));
-  }
-  // Lane 4k + j: v[4j + k]. Put v[i] in lane i.
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+// Lane i = the sum of v[i]'s 16 lanes (cpu_reduce16.h).
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
+  return kvsentry_simd::reduce16(v, kvsentry_simd::AddPs{});
 }
 
 template <typename scalar_t>
@@ -366,6 +354,24 @@ void value_product(const scalar_t* vc, int64_t vs0, int64_t vs1, const int32_t* 
   for (; c < v_dim / 16; ++c) value_chunks<G, 1>(vc, vs0, vs1, table, ts1, reads, block_size, probs, span, v_dim, acc, c);
 }
 
+// f(std::integral_constant<int, G>{}) for the query group G in [1, kMaxSharedGroup]: the value
+// products take G as a compile-time constant.
+template <typename F>
+void with_group(int64_t group, F&& f) {
+  static_assert(kMaxSharedGroup == 8, "one case per shared group size");
+  switch (group) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, kOp, ": no shared value product for ", group, " query heads per KV head");
+  }
+}
+
 #if defined(__AVX512F__)
 // The value product for a bf16 cache on CPUs with AVX512-BF16: the probabilities rounded to bf16
 // first, as the reference does (its softmax `.to(v.dtype)` before the matmul), then vdpbf16ps over
@@ -429,18 +435,32 @@ void value_product_bf16(const c10::BFloat16* vc, int64_t vs0, int64_t vs1, const
   for (; s < v_dim / 32; ++s) value_slices_bf16<G, 1>(vc, vs0, vs1, table, ts1, reads, block_size, pb, span, v_dim, acc, s);
 }
 
-// Probabilities to bf16 as torch's .to(bfloat16) rounds them (nearest even; NaN stays NaN).
+// Probabilities to bf16 as torch's .to(bfloat16) rounds them (kvsentry_quant::to_bf16).
 __attribute__((target("avx512f,avx512bw"))) void probs_to_bf16(const float* p, int64_t n, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(p + i);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(out + i, lanes, kvsentry_quant::to_bf16(_mm512_maskz_loadu_ps(lanes, p + i)));
   }
-  for (; i < n; ++i) out[i] = c10::BFloat16(p[i]).x;
+}
+
+// The G heads' value product of value_product_bf16 for a bf16 cache when `value_dot` (then true);
+// any other cache dtype has none (false), and the widened path runs.
+template <typename scalar_t>
+bool value_product_dot(bool, int64_t, const scalar_t*, int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t,
+                       float*, int64_t, int64_t, int64_t, void*, float*) {
+  return false;
+}
+
+bool value_product_dot(bool value_dot, int64_t group, const c10::BFloat16* vhead, int64_t vs0, int64_t vs1,
+                       const int32_t* table, int64_t ts1, int64_t reads, int64_t block_size, float* probs,
+                       int64_t row_span, int64_t span, int64_t v_dim, void* scratch, float* acc) {
+  if (!value_dot) return false;
+  uint16_t* pb = static_cast<uint16_t*>(scratch);
+  for (int64_t g = 0; g < group; ++g) probs_to_bf16(probs + g * span, row_span, pb + g * span);
+  with_group(group, [&](auto g) {
+    value_product_bf16<decltype(g)::value>(vhead, vs0, vs1, table, ts1, reads, block_size, pb, span, v_dim, acc);
+  });
+  return true;
 }
 
 constexpr int64_t kMaxTileGroup = 64;  // query heads per KV head the tiled scores handle
@@ -527,7 +547,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
   const int64_t ts0 = block_tables.stride(0), ts1 = block_tables.stride(1);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   [[maybe_unused]] const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0 &&
-                                         cpu_has_bf16_dot() && g_bf16_dot_enabled.on();
+                                         kvsentry_amx::bf16_dot_enabled();
   [[maybe_unused]] const bool value_dot = bf16_dot && kWide && group <= kMaxSharedGroup && block_size % 2 == 0 &&
                                           v_dim % 32 == 0;
 
@@ -608,43 +628,24 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
         for (int64_t pos = 0; pos < row_span; ++pos) p[pos] /= total;
       }
       // Weighted values over every position read, masked ones with weight 0.
-      bool done = false;
-#if defined(__AVX512F__)
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (value_dot) {
-          uint16_t* pb = reinterpret_cast<uint16_t*>(pbf.data);
-          for (int64_t g = 0; g < group; ++g) probs_to_bf16(&probs[g * span], row_span, pb + g * span);
-          const scalar_t* vhead = vc + h * vs2;
-          const int32_t* table = tables + b * ts0;
-          switch (group) {
-#define KVS_VALUE_CASE(G)                                                                                 \
-  case G:                                                                                                 \
-    value_product_bf16<G>(vhead, vs0, vs1, table, ts1, reads, block_size, pb, span, v_dim, acc.data); \
-    break;
-            KVS_VALUE_CASE(1) KVS_VALUE_CASE(2) KVS_VALUE_CASE(3) KVS_VALUE_CASE(4)
-            KVS_VALUE_CASE(5) KVS_VALUE_CASE(6) KVS_VALUE_CASE(7) KVS_VALUE_CASE(8)
-#undef KVS_VALUE_CASE
-          }
-          done = true;
-        }
-      }
-#endif
-      if (done) {  // value_dot's product, above
-      } else if constexpr (kWide) {
+      if constexpr (kWide) {
         // One 16-lane output chunk at a time, accumulated in registers (two chains, to
         // hide the FMA latency); a head's V rows stay in L2 across the chunks. Small query
         // groups load (and widen) each V row once for the whole group.
         if (group <= kMaxSharedGroup) {
           const scalar_t* vhead = vc + h * vs2;
           const int32_t* table = tables + b * ts0;
-          switch (group) {
-#define KVS_VALUE_CASE(G)                                                                                        \
-  case G:                                                                                                        \
-    value_product<G>(vhead, vs0, vs1, table, ts1, reads, block_size, probs.data, span, v_dim, acc.data);  \
-    break;
-            KVS_VALUE_CASE(1) KVS_VALUE_CASE(2) KVS_VALUE_CASE(3) KVS_VALUE_CASE(4)
-            KVS_VALUE_CASE(5) KVS_VALUE_CASE(6) KVS_VALUE_CASE(7) KVS_VALUE_CASE(8)
-#undef KVS_VALUE_CASE
+#if defined(__AVX512F__)
+          const bool dot = value_product_dot(value_dot, group, vhead, vs0, vs1, table, ts1, reads, block_size,
+                                             probs.data, row_span, span, v_dim, pbf.data, acc.data);
+#else
+          const bool dot = false;
+#endif
+          if (!dot) {
+            with_group(group, [&](auto g) {
+              value_product<decltype(g)::value>(vhead, vs0, vs1, table, ts1, reads, block_size, probs.data, span,
+                                                v_dim, acc.data);
+            });
           }
         } else for (int64_t g = 0; g < group; ++g) {
           for (int64_t c = 0; c < v_dim / 16; ++c) {
@@ -794,7 +795,7 @@ void paged_decode_attention_meta(Tensor& out, const Tensor& query, const Tensor&
 // turned off); `enable` turns them on or off first (tests check both paths on one CPU).
 bool cpu_bf16_dot(std::optional<bool> enable) {
   if (enable.has_value()) g_bf16_dot_enabled.set(*enable);
-  return cpu_has_bf16_dot() && g_bf16_dot_enabled.on();
+  return kvsentry_amx::bf16_dot_enabled();
 }
 
 // Whether bf16 caches of the shapes they take go through the AMX paths, decode's and prefill's

@@ -53,6 +53,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_int8_gemm.h"
+#include "cpu_reduce16.h"
 #include "cpu_int8_gemm_amx.h"
 
 #include <algorithm>
@@ -237,60 +238,32 @@ KVS_INT8_TARGET inline void load_block(const c10::BFloat16* x, int64_t b, __m512
   hi = widen(x + 32 * b + 16);
 }
 
-// Lane i: the maximum (kMax) or integer sum of v[i]'s 16 lanes, for 16 vectors at once (four
-// rounds of shuffles, where one vector at a time takes four rounds for each).
-template <bool kMax>
-KVS_INT8_TARGET inline __m512i lanes16(const __m512i* v) {
-  const auto op = [](__m512i a, __m512i b) {
-    if constexpr (kMax) {
-      return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
-    } else {
-      return _mm512_add_epi32(a, b);
-    }
-  };
-  __m512i w[8], z[4], u[2];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int j = 0; j < 4; ++j) {
-    z[j] = op(_mm512_shuffle_i32x4(w[2 * j], w[2 * j + 1], 0x88), _mm512_shuffle_i32x4(w[2 * j], w[2 * j + 1], 0xDD));
-  }
-  const auto pick = [](__m512i a, __m512i b, int imm_lo) {  // 32-bit lanes 0-1 | 2-3 of each quarter
-    return imm_lo == 0x44 ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0x44))
-                          : _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0xEE));
-  };
-  for (int m = 0; m < 2; ++m) u[m] = op(pick(z[2 * m], z[2 * m + 1], 0x44), pick(z[2 * m], z[2 * m + 1], 0xEE));
-  const __m512i s = op(_mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(u[0]), _mm512_castsi512_ps(u[1]), 0x88)),
-                       _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(u[0]), _mm512_castsi512_ps(u[1]), 0xDD)));
-  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
-}
-
 // Blocks of 32 values to int8, the reference's arithmetic: dx = amax / 127, q = round(x / dx)
 // (x * (1 / dx), nearest even), the block's quant sum and its first half's, sx = dx * sum. Sixteen
-// blocks at a time: their maxima and sums reduced together (lanes16), the divisions as vectors
-// (each lane the same IEEE division as a scalar's).
+// blocks at a time: their maxima and sums reduced together (cpu_reduce16.h), the divisions as vectors
+// (each lane the same IEEE division as a scalar's). Maxima and integer sums are exact in any order.
 template <typename scalar_t>
 KVS_INT8_TARGET void quantize_row(const scalar_t* x, int64_t blocks, QuantRow out) {
   const __m512 zero = _mm512_setzero_ps(), limit = _mm512_set1_ps(127.0f);
   for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, blocks - b0));
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-    __m512i vmax[16];
+    __m512 vmax[16];
     for (int i = 0; i < 16; ++i) {
       if (i < n) {
         __m512 lo, hi;
         load_block(x, b0 + i, lo, hi);
-        vmax[i] = _mm512_castps_si512(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        vmax[i] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
       } else {
-        vmax[i] = _mm512_setzero_si512();
+        vmax[i] = _mm512_setzero_ps();
       }
     }
-    const __m512 amax = _mm512_castsi512_ps(lanes16<true>(vmax));
+    const __m512 amax = kvsentry_simd::reduce16(vmax, kvsentry_simd::MaxPs{});
     const __m512 dx = _mm512_div_ps(amax, limit);  // a division, as torch's
     const __m512 inverse = _mm512_mask_div_ps(zero, _mm512_cmp_ps_mask(dx, zero, _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), dx);
     alignas(64) float inv[16];
     _mm512_store_ps(inv, inverse);
-    __m512i vsum[16], vhalf[16];
+    __m512 vsum[16], vhalf[16];  // int32 lanes
     for (int i = 0; i < 16; ++i) {
       if (i < n) {
         __m512 lo, hi;
@@ -302,16 +275,16 @@ KVS_INT8_TARGET void quantize_row(const scalar_t* x, int64_t blocks, QuantRow ou
         int8_t* q = out.q + 32 * (b0 + i);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
-        vsum[i] = _mm512_add_epi32(qlo, qhi);
-        vhalf[i] = qlo;
+        vsum[i] = _mm512_castsi512_ps(_mm512_add_epi32(qlo, qhi));
+        vhalf[i] = _mm512_castsi512_ps(qlo);
       } else {
-        vsum[i] = vhalf[i] = _mm512_setzero_si512();
+        vsum[i] = vhalf[i] = _mm512_setzero_ps();
       }
     }
-    const __m512i sum = lanes16<false>(vsum);
+    const __m512i sum = _mm512_castps_si512(kvsentry_simd::reduce16(vsum, kvsentry_simd::AddEpi32{}));
     _mm512_mask_storeu_ps(out.dx + b0, live, dx);
     _mm512_mask_storeu_epi32(out.sum + b0, live, sum);
-    _mm512_mask_storeu_epi32(out.half + b0, live, lanes16<false>(vhalf));
+    _mm512_mask_storeu_epi32(out.half + b0, live, _mm512_castps_si512(kvsentry_simd::reduce16(vhalf, kvsentry_simd::AddEpi32{})));
     _mm512_mask_storeu_ps(out.sx + b0, live, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(sum)));
   }
 }

@@ -170,13 +170,23 @@ void gather_raw(const c10::BFloat16* cache, int64_t s0, int64_t s1, int64_t s2, 
   std::fill(dst + len * dim, dst + rows * dim, uint16_t{0});
 }
 
-// V^T pairs from the raw rows: vt2[k][d] = V[2k][d] | V[2k + 1][d] << 16 (rows even).
-void pair_rows(const uint16_t* raw, int64_t rows, int64_t dim, uint32_t* vt2) {
+// V^T pairs of one KV head straight from the paged cache: vt2[k][d] = V[2k][d] | V[2k + 1][d] << 16
+// for rows [0, rows) (even), zero past len.
+void gather_pairs(const c10::BFloat16* cache, int64_t s0, int64_t s1, int64_t s2, const int32_t* table, int64_t ts1,
+                  int64_t block_size, int64_t h, int64_t len, int64_t rows, int64_t dim, uint32_t* vt2) {
+  const auto row = [&](int64_t pos) -> const uint16_t* {
+    if (pos >= len) return nullptr;
+    const int64_t j = pos / block_size;
+    return reinterpret_cast<const uint16_t*>(cache + static_cast<int64_t>(table[j * ts1]) * s0 +
+                                             (pos - j * block_size) * s1 + h * s2);
+  };
   for (int64_t k = 0; k < rows / 2; ++k) {
-    const uint16_t* a = raw + 2 * k * dim;
-    const uint16_t* b = a + dim;
+    const uint16_t* a = row(2 * k);
+    const uint16_t* b = row(2 * k + 1);
     uint32_t* out = vt2 + k * dim;
-    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<uint32_t>(a[d]) | (static_cast<uint32_t>(b[d]) << 16);
+    for (int64_t d = 0; d < dim; ++d) {
+      out[d] = (a != nullptr ? a[d] : 0u) | (b != nullptr ? static_cast<uint32_t>(b[d]) << 16 : 0u);
+    }
   }
 }
 
@@ -217,9 +227,9 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
   const int64_t group = a.group, per_tile = kLanes / group;  // tokens a tile
   std::vector<float> kf, vf, sc;
   std::vector<float> qt(static_cast<size_t>(a.head_dim * kLanes));  // [D][lanes]
-  // The bf16 dot-product path: raw K and V rows, V^T and P as pairs of keys, Q^T pairs.
+  // The bf16 dot-product path: raw K rows, V^T and P as pairs of keys, Q^T pairs.
   const bool dot = kBf16 && a.head_dim % 2 == 0 && kvsentry_amx::bf16_dot_enabled();
-  std::vector<uint16_t> kb, vb;
+  std::vector<uint16_t> kb;
   std::vector<uint32_t> vt2, p2, qt2(static_cast<size_t>((a.head_dim + 1) / 2 * kLanes));
   std::vector<float> os(static_cast<size_t>(a.v_dim * kLanes));     // [Dv][lanes]
   // os [dim][lane]: a lane's dims lie kLanes apart.
@@ -232,21 +242,19 @@ void items(const Args<scalar_t>& a, int64_t begin, int64_t end) {
     const int64_t ctx = len - num_new;  // the first new token's position
     const int64_t rows = (len + kKeys - 1) / kKeys * kKeys;
     const int32_t* table = a.tables + r * a.ts0;
-    kf.resize(static_cast<size_t>(rows * a.head_dim));
-    vf.resize(static_cast<size_t>(rows * a.v_dim));
     sc.resize(static_cast<size_t>(rows * kLanes));
     if constexpr (kBf16) {
       if (dot) {
         kb.resize(static_cast<size_t>(rows * a.head_dim));
-        vb.resize(static_cast<size_t>(rows * a.v_dim));
         vt2.resize(static_cast<size_t>(rows / 2 * a.v_dim));
         p2.resize(static_cast<size_t>(rows / 2 * kLanes));
         gather_raw(a.kc, a.ks0, a.ks1, a.ks2, table, a.ts1, a.block_size, h, len, rows, a.head_dim, kb.data());
-        gather_raw(a.vc, a.vs0, a.vs1, a.vs2, table, a.ts1, a.block_size, h, len, rows, a.v_dim, vb.data());
-        pair_rows(vb.data(), rows, a.v_dim, vt2.data());
+        gather_pairs(a.vc, a.vs0, a.vs1, a.vs2, table, a.ts1, a.block_size, h, len, rows, a.v_dim, vt2.data());
       }
     }
     if (!dot) {
+      kf.resize(static_cast<size_t>(rows * a.head_dim));
+      vf.resize(static_cast<size_t>(rows * a.v_dim));
       gather_rows(a.kc, a.ks0, a.ks1, a.ks2, table, a.ts1, a.block_size, h, len, rows, a.head_dim, kf.data());
       gather_rows(a.vc, a.vs0, a.vs1, a.vs2, table, a.ts1, a.block_size, h, len, rows, a.v_dim, vf.data());
     }
