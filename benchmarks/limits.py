@@ -9,7 +9,8 @@ Measures, on one thread:
     them (cpu_gemm.PackedLinear), at 256 and 1024 rows, in GFLOP/s;
   - int8 multiply-add rate: the int8-activation GEMM (AMX-INT8 tiles where the CPU has them, else
     vpdpbusd) on the same shapes as Q8_0 blocks at 256 rows, in GMAC/s (where AVX512-VNNI is
-    there), and the AMX-INT8 tile peak: tdpbssd back to back on resident tiles (where AMX-INT8 is);
+    there), and the int8 peaks: vpdpbusd back to back on resident registers (where AVX512-VNNI
+    is) and tdpbssd back to back on resident tiles (where AMX-INT8 is);
   - the engine: decode steps at batch 1 and at batch 64 (128-token prompts, greedy), as bytes of
     weights read per second at batch 1 -- the bytes its linears hold as the step reads them: the
     GGUF's own Q4_1 / Q8_0 blocks where the panels are those (csrc/cpu/cpu_quant_panels.h), else the
@@ -79,6 +80,16 @@ def amx_int8_tile_peak() -> float | None:  # int8 multiply-adds/s of one core's 
     return max(registry.debug_ops().int8_amx_tile_peak(200000) for _ in range(3))
 
 
+def vnni_peak() -> float | None:  # int8 multiply-adds/s of one core's 512-bit VNNI
+    """vpdpbusd back to back on 16 register-resident accumulators (csrc/cpu/cpu_int8_gemm.cpp, the
+    test build's int8_vnni_peak): the arithmetic ceiling of the 512-bit int8 kernel; None where
+    the CPU or build has no AVX512-VNNI."""
+    from engine.ops import registry
+    if not registry.available("int8_gemm", "cpu") or "avx512_vnni" not in registry.op("int8_gemm_kernels")():
+        return None
+    return max(registry.debug_ops().int8_vnni_peak(2_000_000) for _ in range(3))
+
+
 def decode_seconds(llm, batch: int, vocab: int, low: int, seed: int) -> float:
     from engine import SamplingParams
     from engine.messages import EngineRequest
@@ -106,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from engine.ops import registry
-    registry.debug_ops()  # the test build (the engine's ops and int8_amx_tile_peak), before the engine loads one
+    registry.debug_ops()  # the test build (the engine's ops and the int8 peaks), before the engine loads one
     from engine import LLM
     path = bench_checkpoint(args.model)
     low, vocab = prompt_token_range(path)
@@ -138,6 +149,7 @@ def main() -> None:
     peaks = {rows: gemm_peak(model, rows, dtype) for rows in (256, 1024)}
     int8_macs = int8_peak(model, 256)
     tile_peak = amx_int8_tile_peak()
+    register_peak = vnni_peak()
     step1 = decode_seconds(llm, 1, vocab, low, seed=1)
     step64 = decode_seconds(llm, 64, vocab, low, seed=2)
 
@@ -152,6 +164,10 @@ def main() -> None:
     if int8_macs is not None:
         print(f"int8 multiply-add rate (int8 GEMM, the model's layer shapes as Q8_0, 256 rows): "
               f"{int8_macs / 1e9:.0f} GMAC/s = {2 * int8_macs / 1e9:.0f} GOP/s")
+    if register_peak is not None:
+        print(f"AVX512-VNNI peak (vpdpbusd on resident registers, 1 thread): {register_peak / 1e9:.0f} GMAC/s; "
+              + ("" if int8_macs is None else f"the int8 GEMM at 256 rows reaches {int8_macs / register_peak:.0%}, ")
+              + f"batch 64 decode {64 * flop_per_token / 2 / step64 / register_peak:.1%}")
     if tile_peak is not None:
         print(f"AMX-INT8 tile peak (tdpbssd on resident tiles, 1 thread): {tile_peak / 1e9:.0f} GMAC/s; "
               f"batch 64 decode reaches {64 * flop_per_token / 2 / step64 / tile_peak:.1%} of it")
@@ -171,6 +187,11 @@ def main() -> None:
         "int8_gemm_gmac_s_256_rows": None if int8_macs is None else round(int8_macs / 1e9, 1),
         "batch64_share_of_int8_rate": None if int8_macs is None else round(
             64 * flop_per_token / 2 / step64 / int8_macs, 3),
+        "vnni_int8_peak_gmac_s": None if register_peak is None else round(register_peak / 1e9, 1),
+        "int8_gemm_share_of_vnni_peak": None if register_peak is None or int8_macs is None else round(
+            int8_macs / register_peak, 3),
+        "batch64_share_of_vnni_peak": None if register_peak is None else round(
+            64 * flop_per_token / 2 / step64 / register_peak, 4),
         "amx_int8_tile_peak_gmac_s": None if tile_peak is None else round(tile_peak / 1e9, 1),
         "batch64_share_of_amx_int8_tile_peak": None if tile_peak is None else round(
             64 * flop_per_token / 2 / step64 / tile_peak, 4)}, args.json)

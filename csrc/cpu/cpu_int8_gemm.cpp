@@ -58,6 +58,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -545,6 +546,35 @@ std::string choose_isa(std::optional<std::string> isa) {
   }
   return kvsentry_int8::isa_name(kvsentry_int8::vector_isa());
 }
+
+#if defined(__AVX512F__)
+// The AVX512-VNNI peak of this thread, in multiply-adds per second: vpdpbusd back to back on
+// register-resident operands, 16 independent accumulators (more than latency x throughput on the
+// cores we know), each instruction 16 lanes x 4 byte products. The arithmetic ceiling of the
+// 512-bit int8 kernel, as int8_amx_tile_peak is of the tiles.
+KVS_INT8_TARGET double vnni_peak(int64_t iterations) {
+  TORCH_CHECK(best_isa() == VectorIsa::kAvx512Vnni, "int8_vnni_peak: this CPU (or build) has no AVX512-VNNI");
+  constexpr int kAcc = 16;
+  __m512i acc[kAcc];
+  #pragma GCC unroll 16
+  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iterations; ++it) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+  }
+  __m512i sum = acc[0];
+  #pragma GCC unroll 16
+  for (int i = 1; i < kAcc; ++i) sum = _mm512_add_epi32(sum, acc[i]);
+  volatile int32_t sink = _mm512_reduce_add_epi32(sum);  // the products done before the clock stops
+  (void)sink;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return static_cast<double>(iterations) * kAcc * 64 / seconds;
+}
+#else
+double vnni_peak(int64_t) { TORCH_CHECK(false, "int8_vnni_peak: built without AVX-512"); }
+#endif
 #endif
 
 bool supported() { return kvsentry_int8::vector_isa() != VectorIsa::kNone; }
@@ -826,5 +856,8 @@ TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
 }
 
 #ifdef KVSENTRY_DEBUG_OPS
-TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) { m.def("int8_gemm_isa(str? isa=None) -> str", &choose_isa); }
+TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) {
+  m.def("int8_gemm_isa(str? isa=None) -> str", &choose_isa);
+  m.def("int8_vnni_peak(int iterations) -> float", &vnni_peak);
+}
 #endif
