@@ -287,13 +287,15 @@ def test_the_label_names_the_vector_kernel_that_runs(kvsentry_ops):
 
 def test_the_vnni_peak_counts_the_multiply_adds_it_timed(kvsentry_ops):
     """benchmarks/limits.py's int8 ceiling: 16 x 64 multiply-adds per iteration over its seconds. A
-    run ten times longer takes about ten times the time (the loop is not folded away) and reports a
-    rate of the same order; on a CPU without AVX512-VNNI it refuses, by name."""
+    run ten times longer takes about ten times the time (the loop is not folded away), so it
+    reports a rate of the same order; on a CPU without AVX512-VNNI it refuses, by name."""
     if "avx512_vnni" not in cpu_kernels():
         with pytest.raises(RuntimeError, match="int8_vnni_peak"):
             kvsentry_ops.int8_vnni_peak(10)
         return
-    short, long = kvsentry_ops.int8_vnni_peak(100_000), kvsentry_ops.int8_vnni_peak(1_000_000)
+    # The best of three each: a run the OS preempts (the suite shares two cores) reports less.
+    short = max(kvsentry_ops.int8_vnni_peak(200_000) for _ in range(3))
+    long = max(kvsentry_ops.int8_vnni_peak(2_000_000) for _ in range(3))
     # One core issues at most 4 vpdpbusd (256 multiply-adds) a cycle at up to 6 GHz: a folded loop
     # would report a rate far above that.
     for rate in (short, long):
