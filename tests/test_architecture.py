@@ -277,7 +277,7 @@ def test_every_registered_op_is_in_the_registry_or_the_debug_namespace():
     assert registry.SCHEMAS <= production, f"in the registry but not registered: {sorted(registry.SCHEMAS - production)}"
     # The test switches live in the debug namespace, never in the production one.
     switches = {"cpu_bf16_dot", "cpu_attention_amx", "bf16_gemm_with", "norm_sum_lanes",
-                "plan_reshape_and_cache_flash", "plan_concat_and_cache_mla", "int8_gemm_amx_rows", "int8_amx_tile_peak", "int8_vnni_peak",
+                "plan_reshape_and_cache_flash", "plan_concat_and_cache_mla", "int8_gemm_amx_rows", "int8_amx_tile_peak", "int8_vnni_peak", "silu_table",
                 "int8_gemm_isa"}
     assert switches <= debug and not switches & production
 

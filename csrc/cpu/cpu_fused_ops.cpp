@@ -47,6 +47,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <atomic>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -555,6 +556,50 @@ VectorExp torch_vector_exp() {
   return fn;
 }
 
+// silu(x) = x / (1 + exp(-x)) in float, rounded to bf16, for each of the 65,536 bf16 inputs x,
+// indexed by x's bits, plus one entry of padding (a 32-bit gather at the last index reads two
+// bytes past it). The exp is the inline one, which gives Sleef's SiLU bits (torch's vector
+// body's) for every bf16 input (see cpu_fast_exp.h).
+//
+// Why: a bf16 gate has only 2^16 values, and torch rounds silu(gate) to bf16 before the
+// product, so the SiLU is a pure function of the gate's bits. One gather from this table
+// replaces an exp and a division (~19 cycles a vector of 16, the divider bound); the gates of
+// a layer's rows fall in a few exponents, so the lines they touch stay in L1. Where gathers are
+// slow (AMD's cores) the vector body computes the same bits instead (silu_quotient).
+const uint16_t* bf16_silu_table() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> t(65536 + 2);
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    alignas(64) uint16_t gates[kLanes];
+    for (int64_t base = 0; base < 65536; base += kLanes) {
+      for (int64_t k = 0; k < kLanes; ++k) gates[k] = static_cast<uint16_t>(base + k);
+      using V = Vec<c10::BFloat16>;
+      const __m512 x = V::load(gates);
+      const __m512 e = kvsentry_math::fast_exp_ps(_mm512_xor_ps(x, sign));
+      V::store(t.data() + base, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Which bf16 SiLU the vector body runs: the table's gather on Intel cores (it was ~4% of a
+// prefill step on a Xeon with AMX, against the divider), the computed quotient elsewhere (on a
+// Zen 5 EPYC core silu_and_mul took 1.67 cycles an element through the gather, 1.10 computed).
+// The bits are the same either way; the test build's kvsentry_debug.silu_table picks one, so
+// that one CPU checks both.
+#ifdef KVSENTRY_DEBUG_OPS
+std::atomic<int> g_silu_table{-1};  // -1: by the CPU; 0: computed; 1: the table
+#endif
+bool silu_by_table() {
+  static const bool intel = __builtin_cpu_is("intel");
+#ifdef KVSENTRY_DEBUG_OPS
+  const int forced = g_silu_table.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+#endif
+  return intel;
+}
+
 // x / d as vdivps rounds it, for the bf16 SiLU's d = 1 + exp(-x) in [1, 2^100) and |x| < 2^100:
 // a reciprocal estimate, one Newton step, the quotient, and one correction by its exact remainder
 // (fused multiply-adds). Lanes outside that range (x below about -69, infinities, NaN) take
@@ -611,6 +656,7 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
   auto* op = raw_mut<T>(out);
   const int64_t g_stride = gate_up.stride(0);
   const VectorExp vexp = torch_vector_exp();
+  const uint16_t* silu = std::is_same_v<T, c10::BFloat16> && silu_by_table() ? bf16_silu_table() : nullptr;
   constexpr int64_t chunk = std::is_same_v<T, float> ? 2 * kLanes : 4 * kLanes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -620,9 +666,21 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
       int64_t j = 0;
       using V = Vec<T>;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // The vector body's SiLU with the inline exp, which gives Sleef's SiLU bits (torch's
-        // vector body's) for every bf16 input (see cpu_fast_exp.h), and silu_quotient's division;
-        // two of ATen's chunks a pass where the row has them (each element's path is the same).
+        // The vector body's SiLU from bf16_silu_table, or computed as the table was: the inline
+        // exp, which gives Sleef's SiLU bits (torch's vector body's) for every bf16 input (see
+        // cpu_fast_exp.h), and silu_quotient's division, two of ATen's chunks a pass where the
+        // row has them (each element's path is the same).
+        if (silu != nullptr) {
+          for (; j + chunk <= n; j += chunk) {
+            for (int64_t k = 0; k < chunk / kLanes; ++k) {
+              const auto* gates = reinterpret_cast<const __m256i*>(g + j + k * kLanes);
+              const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256(gates));
+              const __m512i s = _mm512_i32gather_epi32(index, silu, 2);  // the entry in each lane's low half
+              const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
+              V::store(o + j + k * kLanes, _mm512_mul_ps(sf, V::load(u + j + k * kLanes)));
+            }
+          }
+        }
         for (; j + 2 * chunk <= n; j += 2 * chunk) silu_vectors<2 * chunk / kLanes>(g + j, u + j, o + j);
         for (; j + chunk <= n; j += chunk) silu_vectors<chunk / kLanes>(g + j, u + j, o + j);
       } else {
@@ -684,7 +742,23 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
 }
 
 #ifdef KVSENTRY_DEBUG_OPS
-TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) { m.def("norm_sum_lanes(int n) -> int", &norm_sum_lanes); }
+// kvsentry_debug.silu_table: True runs the bf16 SiLU from its table, False computes it, None goes
+// back to the CPU's choice; returns whether the table runs now (AVX-512 builds; else False).
+namespace {
+bool silu_table(std::optional<bool> use) {
+#if defined(__AVX512F__)
+  g_silu_table.store(use.has_value() ? static_cast<int>(*use) : -1);
+  return silu_by_table();
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvsentry_debug, m) {
+  m.def("norm_sum_lanes(int n) -> int", &norm_sum_lanes);
+  m.def("silu_table(bool? use=None) -> bool", &silu_table);
+}
 #endif
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {

@@ -114,9 +114,20 @@ def test_silu_and_mul_matches_reference_bitwise(kvsentry_ops, dtype, rows, inter
     assert_silu_matches(kvsentry_ops.silu_and_mul(wide), silu_and_mul_reference(wide))
 
 
-def test_silu_and_mul_every_bf16_gate(kvsentry_ops):
-    """All 65,536 bf16 gate values, in the vector body and (5 per row) the scalar tail: the
-    kernel's SiLU is torch's formula with torch's exp, so nothing may differ, not one bit."""
+@pytest.fixture(params=[True, False], ids=["table", "computed"])
+def silu_path(request, kvsentry_ops):
+    """The bf16 SiLU from its table (the gather Intel cores take) or computed (AMD's), whichever
+    this CPU would pick; the CPU's choice again after."""
+    if kvsentry_ops.silu_table(request.param) != request.param:
+        pytest.skip("this build has no AVX-512 SiLU: the scalar formula runs")
+    yield request.param
+    kvsentry_ops.silu_table(None)
+
+
+def test_silu_and_mul_every_bf16_gate(kvsentry_ops, silu_path):
+    """All 65,536 bf16 gate values, in the vector body and (5 per row) the scalar tail, on
+    either of the vector body's SiLUs: the kernel's SiLU is torch's formula with torch's exp, so
+    nothing may differ, not one bit."""
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     for width in (128, 69):  # 69 = one 64-wide vector chunk + a 5-element scalar tail
         rows = -(-gate.numel() // width)
