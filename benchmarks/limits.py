@@ -152,6 +152,7 @@ def main() -> None:
     register_peak = vnni_peak()
     step1 = decode_seconds(llm, 1, vocab, low, seed=1)
     step64 = decode_seconds(llm, 64, vocab, low, seed=2)
+    batch64_macs = 64 * flop_per_token / 2 / step64  # multiply-adds/s of the batch-64 decode step
 
     print(f"model: {params / 1e6:.1f} M weights in its GEMMs, {dense_bytes / 1e6:.0f} MB of {args.dtype}, "
           f"{weight_bytes / 1e6:.0f} MB as a one-row step reads them, {flop_per_token / 1e9:.3f} GFLOP per token")
@@ -167,10 +168,10 @@ def main() -> None:
     if register_peak is not None:
         print(f"AVX512-VNNI peak (vpdpbusd on resident registers, 1 thread): {register_peak / 1e9:.0f} GMAC/s; "
               + ("" if int8_macs is None else f"the int8 GEMM at 256 rows reaches {int8_macs / register_peak:.0%}, ")
-              + f"batch 64 decode {64 * flop_per_token / 2 / step64 / register_peak:.1%}")
+              + f"batch 64 decode {batch64_macs / register_peak:.1%}")
     if tile_peak is not None:
         print(f"AMX-INT8 tile peak (tdpbssd on resident tiles, 1 thread): {tile_peak / 1e9:.0f} GMAC/s; "
-              f"batch 64 decode reaches {64 * flop_per_token / 2 / step64 / tile_peak:.1%} of it")
+              f"batch 64 decode reaches {batch64_macs / tile_peak:.1%} of it")
     best_peak = max(peaks.values())
     print(f"batch 64 decode: {step64 * 1e3:.1f} ms/step -> {64 * flop_per_token / step64 / 1e9:.0f} GFLOP/s "
           f"= {64 * flop_per_token / step64 / best_peak:.0%} of the GEMM peak ({64 / step64:.0f} tok/s)")
@@ -186,15 +187,15 @@ def main() -> None:
         "batch64_share_of_gemm_peak": round(64 * flop_per_token / step64 / best_peak, 3),
         "int8_gemm_gmac_s_256_rows": None if int8_macs is None else round(int8_macs / 1e9, 1),
         "batch64_share_of_int8_rate": None if int8_macs is None else round(
-            64 * flop_per_token / 2 / step64 / int8_macs, 3),
+            batch64_macs / int8_macs, 3),
         "vnni_int8_peak_gmac_s": None if register_peak is None else round(register_peak / 1e9, 1),
         "int8_gemm_share_of_vnni_peak": None if register_peak is None or int8_macs is None else round(
             int8_macs / register_peak, 3),
         "batch64_share_of_vnni_peak": None if register_peak is None else round(
-            64 * flop_per_token / 2 / step64 / register_peak, 4),
+            batch64_macs / register_peak, 4),
         "amx_int8_tile_peak_gmac_s": None if tile_peak is None else round(tile_peak / 1e9, 1),
         "batch64_share_of_amx_int8_tile_peak": None if tile_peak is None else round(
-            64 * flop_per_token / 2 / step64 / tile_peak, 4)}, args.json)
+            batch64_macs / tile_peak, 4)}, args.json)
 
 
 if __name__ == "__main__":

@@ -585,7 +585,8 @@ const uint16_t* bf16_silu_table() {
 
 // Which bf16 SiLU the vector body runs: the table's gather on Intel cores (it was ~4% of a
 // prefill step on a Xeon with AMX, against the divider), the computed quotient elsewhere (on a
-// Zen 5 EPYC core silu_and_mul took 1.67 cycles an element through the gather, 1.10 computed).
+// Zen 5 EPYC core silu_and_mul over 2048 x 1536 took 1.66-1.68 cycles an element through the
+// gather, 1.09-1.11 computed by silu_quotient and silu_vectors).
 // The bits are the same either way; the test build's kvsentry_debug.silu_table picks one, so
 // that one CPU checks both.
 #ifdef KVSENTRY_DEBUG_OPS
@@ -602,11 +603,8 @@ bool silu_by_table() {
 
 // x / d as vdivps rounds it, for the bf16 SiLU's d = 1 + exp(-x) in [1, 2^100) and |x| < 2^100:
 // a reciprocal estimate, one Newton step, the quotient, and one correction by its exact remainder
-// (fused multiply-adds). Lanes outside that range (x below about -69, infinities, NaN) take
-// vdivps. The divider bounded the SiLU (~19 cycles a vector of 16); the 65,536-entry table of
-// bf16 results that replaced it is a gather a vector, and on a Zen 5 EPYC core silu_and_mul over
-// 2048 x 1536 took 1.66-1.68 cycles an element with it, 1.10-1.11 with this (and silu_vectors).
-// The bf16 SiLU has torch's bits for every one of the 65,536 bf16 gates
+// (fused multiply-adds), where vdivps bounded the SiLU (~19 cycles a vector of 16). Lanes outside
+// that range (x below about -69, infinities, NaN) take vdivps. The bf16 SiLU has torch's bits for every one of the 65,536 bf16 gates
 // (tests/csrc/test_fused_ops.py checks each): only the bf16 result is promised, not the float
 // quotient's last bit. On a Zen 5 the estimate alone already rounds to the same bf16 for every
 // gate; the Newton step and the correction are there because vrcp14ps's bits are the vendor's
@@ -680,9 +678,10 @@ void silu_mul_impl(const Tensor& gate_up, const Tensor& out) {
               V::store(o + j + k * kLanes, _mm512_mul_ps(sf, V::load(u + j + k * kLanes)));
             }
           }
+        } else {
+          for (; j + 2 * chunk <= n; j += 2 * chunk) silu_vectors<2 * chunk / kLanes>(g + j, u + j, o + j);
+          for (; j + chunk <= n; j += chunk) silu_vectors<chunk / kLanes>(g + j, u + j, o + j);
         }
-        for (; j + 2 * chunk <= n; j += 2 * chunk) silu_vectors<2 * chunk / kLanes>(g + j, u + j, o + j);
-        for (; j + chunk <= n; j += chunk) silu_vectors<chunk / kLanes>(g + j, u + j, o + j);
       } else {
         const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
         for (; j + chunk <= n; j += chunk) {
