@@ -334,8 +334,11 @@ def test_dp_ranks_each_order_their_own_queue(checkpoint):
         collected, first_token = Collected(), []
 
         def collect(outputs) -> None:
-            first_token.extend(out.request_id for out in outputs
-                               if out.new_token_ids and out.request_id not in collected.tokens)
+            # One call may carry several steps' outputs of a request (the ranks ran ahead of the
+            # reader), so only the first with tokens counts.
+            for out in outputs:
+                if out.new_token_ids and out.request_id not in first_token:
+                    first_token.append(out.request_id)
             collected.feed(outputs)
 
         # Rank 0 reports its waiting work as it is, priorities or not. (Rank 1's "other" may end
