@@ -69,6 +69,9 @@ class FaultRequest(StrictRequest):
     layer: int = Field(0, ge=0)
     block: int | None = Field(None, ge=0)  # None: 0, or for bitflip the rank's latest sealed block
     target: Literal["k", "v", "latent"] = "k"
+    # kill_rank | hang_rank only: act once the rank has run this many steps with requests of its
+    # own after the fault arrives (0: at once), so a death lands mid-load whatever the timing.
+    after_steps: int = Field(0, ge=0, le=1_000_000)
 
     def fault_block(self) -> int:
         """`Fault.block`: -1 asks the rank to pick a sealed block for a bitflip."""

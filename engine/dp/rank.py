@@ -80,6 +80,7 @@ class RankLoop:
         self.stale_request = False
         self.running = True
         self.parent = os.getppid()
+        self.armed: Fault | None = None  # a kill_rank / hang_rank waiting for its after_steps
         self._reported_at = 0.0     # time.monotonic() of the last stats sent
         self._reported_findings = 0  # the integrity unit's findings as last sent
 
@@ -116,6 +117,14 @@ class RankLoop:
             elif self.core.has_unfinished:
                 outputs = self.core.step()
                 self.send(outputs=outputs, stats=self.stats_due(now=not self.core.has_unfinished))
+                self.count_down()
+
+    def count_down(self) -> None:
+        """One step of the rank's own work ran: an armed rank fault acts once its count is spent."""
+        if self.armed is not None:
+            self.armed.after_steps -= 1
+            if self.armed.after_steps <= 0:
+                act_out(self.armed.kind, self.parent)
 
     def heartbeat(self) -> None:
         if os.getppid() != self.parent:  # our launcher died: do not linger as an orphan
@@ -146,7 +155,9 @@ class RankLoop:
             elif isinstance(msg, Reform) and msg.generation != self.generation:  # else a repeat: already in it
                 self.reform(msg.generation)
             elif isinstance(msg, Fault) and msg.kind in RANK_FAULTS:
-                act_out(msg.kind, self.parent)
+                if msg.after_steps <= 0:
+                    act_out(msg.kind, self.parent)
+                self.armed = msg
             elif isinstance(msg, Fault):
                 try:
                     self.core.inject_fault(msg)
@@ -207,6 +218,8 @@ class RankLoop:
         num_padded = core.config.padded_num_tokens(max(max_tokens, 1))
         outputs = core.step(sched, num_padded)
         self.send(outputs=outputs, stats=self.stats_due())
+        if sched.num_tokens:  # a dummy batch is not the rank's own work
+            self.count_down()
 
 
 def _shutdown_pending(inputs: zmq.Socket) -> bool:

@@ -103,8 +103,11 @@ def test_bitflip_and_stale_slot_dummy_reach_the_rank(config):
     ({"kind": "stale_slot_dummy", "rank": -1}, "rank"),
     ({"kind": "bitflp"}, "kind"),
     ({"block": 3}, "kind"),
+    ({"kind": "nan", "after_steps": 5}, "after_steps"),  # only a rank fault waits for steps
+    ({"kind": "kill_rank", "after_steps": -1}, "after_steps"),
 ], ids=["bitflip-block-too-large", "bitflip-negative-block", "bitflip-string-block", "bitflip-layer",
-        "nan-block-too-large", "negative-rank", "unknown-kind", "no-kind"])
+        "nan-block-too-large", "negative-rank", "unknown-kind", "no-kind", "after-steps-on-nan",
+        "negative-after-steps"])
 def test_invalid_faults_are_400_in_openai_shape(config, body, param):
     [response], faults = post_faults(config, body)
     assert response.status_code == 400, response.text
@@ -112,6 +115,13 @@ def test_invalid_faults_are_400_in_openai_shape(config, body, param):
     assert error["type"] == "invalid_request_error" and error["message"], error
     assert error["param"] == param, error
     assert not faults
+
+
+def test_rank_faults_carry_their_step_count(config):
+    responses, faults = post_faults(config, {"kind": "kill_rank", "after_steps": 450},
+                                    {"rank": 0, "kind": "hang_rank"})
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert [(f.kind, f.after_steps) for _, f in faults] == [("kill_rank", 450), ("hang_rank", 0)]
 
 
 def test_bitflip_block_bound_is_the_cache_size(config):

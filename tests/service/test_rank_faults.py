@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
 import time
 
 import httpx
@@ -22,9 +21,7 @@ MAX_TOKENS = 300
 
 
 def start(path: str, log_dir, *flags: str) -> ServerProcess:
-    # One running per rank: eleven wait, so a death finds some unstarted (re-queued); and each
-    # rank's 12 x 300 steps outlast the client's first streamed token, which on a loaded machine
-    # came after a tiny model had finished 12 x 200 tokens two at a time.
+    # One running per rank: eleven wait, so a death finds some unstarted (re-queued).
     server = ServerProcess(path, "--served-model-name", "m", "--max-model-len", "400", "--threads", "1",
                            "--max-num-seqs", "1",
                            "--enable-fault-injection", "--health-stall-timeout", "8", *flags,
@@ -36,11 +33,10 @@ def start(path: str, log_dir, *flags: str) -> ServerProcess:
         raise
 
 
-def greedy(client: openai.OpenAI, prompt: str, stream: bool,
-           streaming: threading.Event | None = None) -> tuple[str, list[str]]:
+def greedy(client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int) -> tuple[str, list[str]]:
     """(outcome, tokens): outcome "ok", "stream_error" (finish_reason error in the stream, then an
     error event) or "503" (non-streamed, with Retry-After)."""
-    params = dict(model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+    params = dict(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                   extra_body={"ignore_eos": True, "return_token_ids": True})
     if not stream:
         try:
@@ -56,8 +52,6 @@ def greedy(client: openai.OpenAI, prompt: str, stream: bool,
         for chunk in client.completions.create(**params, stream=True):
             if chunk.choices:
                 tokens += getattr(chunk.choices[0], "token_ids", None) or []
-                if tokens and streaming is not None:
-                    streaming.set()
                 finish = chunk.choices[0].finish_reason or finish
     except openai.APIError as exc:  # the error event after the failed chunk
         assert finish == "error", (finish, exc)
@@ -66,19 +60,18 @@ def greedy(client: openai.OpenAI, prompt: str, stream: bool,
     return "ok", tokens
 
 
-def run_load(server: ServerProcess, fault: dict | None, victim_pid: int | None = None) -> list[tuple[str, list]]:
-    """24 concurrent requests, every other one streamed; `fault` posted once some have streamed."""
+def run_load(server: ServerProcess, fault: dict | None, max_tokens: int = MAX_TOKENS) -> list[tuple[str, list]]:
+    """24 concurrent requests, every other one streamed; `fault` armed first, to act mid-load."""
     client = server.openai(timeout=120)
-    streaming = threading.Event()  # set by the first streamed token: every rank has work queued then
+    if fault is not None:
+        # The rank acts it out after 1.5 requests' steps of its own work: in its second request,
+        # with tokens streamed and ten unstarted (one runs per rank). Posted mid-load instead, it
+        # raced the load: a fast rank could be idle by the time it arrived.
+        fault = {"after_steps": max_tokens * 3 // 2, **fault}
+        response = httpx.post(f"{server.url}/debug/faults", json=fault, timeout=10)
+        assert response.status_code == 200, response.text
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(greedy, client, p, i % 2 == 0, streaming) for i, p in enumerate(PROMPTS)]
-        if fault is not None:
-            # One runs per rank and eleven wait: once one request streams, both ranks hold running
-            # and unstarted requests for thousands of steps. (A server metric would lag: the ranks
-            # report every half second, and a tiny model may finish the load within one.)
-            assert streaming.wait(60), "no tokens streamed"
-            response = httpx.post(f"{server.url}/debug/faults", json=fault, timeout=10)
-            assert response.status_code == 200, response.text
+        futures = [pool.submit(greedy, client, p, i % 2 == 0, max_tokens) for i, p in enumerate(PROMPTS)]
         # No request may hang: each ends within a generous bound (not a timing target).
         return [future.result(timeout=150) for future in futures]
 
@@ -121,11 +114,14 @@ def all_pids(server: ServerProcess) -> list[int]:
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v3"], ids=["dense", "moe-lockstep"])
 def test_dp2_rank_killed_under_load(checkpoint, tmp_path, preset):
     server = start(checkpoint(preset), tmp_path, "--data-parallel-size", "2")
+    # The MoE group steps in lockstep over gloo, ~10 ms a step here: shorter requests keep its
+    # four loads to about a minute.
+    tokens = MAX_TOKENS if preset == "tiny-llama" else 100
     pids = all_pids(server)
     try:
-        reference = run_load(server, None)
+        reference = run_load(server, None, tokens)
         assert all(outcome == "ok" for outcome, _ in reference)
-        results = run_load(server, {"rank": 1, "kind": "kill_rank"})
+        results = run_load(server, {"rank": 1, "kind": "kill_rank"}, tokens)
         check_against_reference(results, reference)
         wait_full(server, 2, restarts=1)
         assert server.metric("kvsentry_rank_restarts_total", engine="1", reason="killed") == [1.0]
@@ -134,7 +130,7 @@ def test_dp2_rank_killed_under_load(checkpoint, tmp_path, preset):
         requeued = sum(server.metric("kvsentry_requests_requeued_total"))
         assert failed > 0 and requeued > 0, (failed, requeued)
         # At full DP again, both ranks serve, and the outputs are a fresh server's.
-        after = run_load(server, None)
+        after = run_load(server, None, tokens)
         assert after == reference
         assert len(set(server.rank_pids()) - set(pids)) == 1, "exactly one rank was replaced"
         pids = sorted(set(pids) | set(all_pids(server)))
@@ -142,11 +138,11 @@ def test_dp2_rank_killed_under_load(checkpoint, tmp_path, preset):
             assert "re-formed" in server.log_text()
             # A hang mid-wave: the peer waits on it inside a collective, so both fall silent;
             # the wedge detector must still end with the hung rank replaced and the group re-formed.
-            results = run_load(server, {"rank": 0, "kind": "hang_rank"})
+            results = run_load(server, {"rank": 0, "kind": "hang_rank"}, tokens)
             check_against_reference(results, reference)
             wait_full(server, 2, restarts=2)
             assert sum(server.metric("kvsentry_rank_restarts_total", reason="wedged")) >= 1
-            assert run_load(server, None) == reference
+            assert run_load(server, None, tokens) == reference
             pids = sorted(set(pids) | set(all_pids(server)))
     finally:
         assert_no_strays(server, pids)
