@@ -108,8 +108,11 @@ class ModelRunner:
             rows = [batch.logits_indices[i] for i in sample_rows]
             for i in verify_rows:
                 rows += range(batch.logits_indices[i], batch.logits_indices[i] + 1 + len(drafts_of[requests[i].key]))
-            index = torch.tensor(rows, device=hidden.device)
-            all_logits = self.model.compute_logits(hidden.index_select(0, index))  # [len(rows), vocab]
+            if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+                selected = hidden  # every row, in order (a decode batch without padding): no gather
+            else:
+                selected = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+            all_logits = self.model.compute_logits(selected)  # [len(rows), vocab]
             logits = all_logits[:len(sample_rows)]  # [num_sampling, vocab]
             to_sample = [requests[i] for i in sample_rows]
             # Tokens, logprobs, and per row whether the logits are all finite (the sentinel's check).
