@@ -82,7 +82,10 @@ class Fault(msgspec.Struct, tag=True):
     layer: int = 0
     block: int = 0  # bitflip: -1 = a sealed block of the rank's choosing (the latest sealed)
     target: str = "k"  # k | v | latent
-    after_steps: int = 0  # kill_rank | hang_rank: once the rank has run this many steps of its own work
+    after_steps: int = 0  # RANK_FAULTS: once the rank has run this many steps of its own work
+
+
+RANK_FAULTS = ("kill_rank", "hang_rank")  # faults the rank's loop acts out itself, not its engine
 
 
 class Reform(msgspec.Struct, tag=True):

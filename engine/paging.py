@@ -17,9 +17,11 @@ NULL_BLOCK_ID = 0
 FIRST_USABLE_BLOCK_ID = NULL_BLOCK_ID + 1  # the pool hands out blocks from here on
 
 
-def slots_for_positions(block_ids: np.ndarray,   # [num_blocks_of_request] int64
-                        positions: np.ndarray,   # [n] int64, token positions in the request
-                        block_size: int) -> np.ndarray:  # [n] int64
+def slots_for_positions(block_ids: np.ndarray | list[int],  # [num_blocks_of_request] int64
+                        positions: np.ndarray | int,        # [n] int64, token positions in the request
+                        block_size: int) -> np.ndarray | int:  # [n] int64
+    """Also for one position (an int) over the block table as a list: the slot, an int (a
+    decode row's, without building arrays)."""
     return block_ids[positions // block_size] * block_size + positions % block_size
 
 

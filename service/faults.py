@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from engine.messages import Fault
+from engine.messages import RANK_FAULTS, Fault
 from service.errors import APIError, from_value_error
 from service.protocol_routes import FaultRequest, StatusResponse
 from service.responses import ERROR_RESPONSES
@@ -27,7 +27,7 @@ async def inject_fault(body: FaultRequest, request: Request) -> StatusResponse:
         raise APIError(400, f"layer must be < {config.model.num_layers}", "layer", "invalid_value")
     if body.block is not None and body.block >= config.num_blocks:
         raise APIError(400, f"block must be < {config.num_blocks}", "block", "invalid_value")
-    if body.after_steps and body.kind not in ("kill_rank", "hang_rank"):
+    if body.after_steps and body.kind not in RANK_FAULTS:
         raise APIError(400, "after_steps applies to kill_rank and hang_rank only", "after_steps", "invalid_value")
     fault = Fault(kind=body.kind, layer=body.layer, block=body.fault_block(), target=body.target,
                   after_steps=body.after_steps)

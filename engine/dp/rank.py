@@ -37,12 +37,11 @@ from engine.dp.reform import rejoin, reset_core
 from engine.dp.rendezvous import join_group, leave_group
 from engine.engine_core.engine_core import EngineCore
 from engine.placement import rank_device, visible_cuda_devices
-from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, GroupBroken, RankFailed,
-                             RankJoining, RankReady, Reform, Shutdown, Wake)
+from engine.messages import (Abort, EngineInput, EngineOutputs, EngineRequest, Fault, GroupBroken, RANK_FAULTS,
+                             RankFailed, RankJoining, RankReady, Reform, Shutdown, Wake)
 
 HEARTBEAT_SECONDS = 1.0
 STATS_SECONDS = 0.5  # the longest a busy rank's stats go unreported
-RANK_FAULTS = ("kill_rank", "hang_rank")  # faults the rank's loop acts out itself, not its engine
 
 
 def new_incarnation() -> int:
@@ -80,7 +79,7 @@ class RankLoop:
         self.stale_request = False
         self.running = True
         self.parent = os.getppid()
-        self.armed: Fault | None = None  # a kill_rank / hang_rank waiting for its after_steps
+        self.armed: tuple[str, int] | None = None  # a rank fault's kind and the own steps it waits for
         self._reported_at = 0.0     # time.monotonic() of the last stats sent
         self._reported_findings = 0  # the integrity unit's findings as last sent
 
@@ -122,9 +121,10 @@ class RankLoop:
     def count_down(self) -> None:
         """One step of the rank's own work ran: an armed rank fault acts once its count is spent."""
         if self.armed is not None:
-            self.armed.after_steps -= 1
-            if self.armed.after_steps <= 0:
-                act_out(self.armed.kind, self.parent)
+            kind, left = self.armed
+            if left <= 1:
+                act_out(kind, self.parent)
+            self.armed = (kind, left - 1)
 
     def heartbeat(self) -> None:
         if os.getppid() != self.parent:  # our launcher died: do not linger as an orphan
@@ -156,8 +156,8 @@ class RankLoop:
                 self.reform(msg.generation)
             elif isinstance(msg, Fault) and msg.kind in RANK_FAULTS:
                 if msg.after_steps <= 0:
-                    act_out(msg.kind, self.parent)
-                self.armed = msg
+                    act_out(msg.kind, self.parent)  # never returns
+                self.armed = (msg.kind, msg.after_steps)
             elif isinstance(msg, Fault):
                 try:
                     self.core.inject_fault(msg)

@@ -71,7 +71,7 @@ class BatchBuilder:
             if num_new == 1 and num_known == 1:  # a decode row: scalars, not arrays (~2 us, not ~10)
                 self._np_ids[offset] = request.all_token_ids[start]
                 self._np_pos[offset] = start
-                self._np_slots[offset] = block_ids[start // bs] * bs + start % bs
+                self._np_slots[offset] = slots_for_positions(block_ids, start, bs)
             else:
                 positions = np.arange(start, end)
                 self._np_ids[offset:offset + num_known] = request.all_token_ids[start:start + num_known]
@@ -113,8 +113,7 @@ class BatchBuilder:
 
     def _batch(self, num_reqs: int, num_tokens: int, num_padded: int, starts: list[int],
                seq_lens: list[int], logits_indices: list[int]) -> StepBatch:
-        device = self.config.device
-        to = (lambda t: t) if self._on_cpu else (lambda t: t.to(device, non_blocking=True))
+        to = self._on_device
         meta = AttentionMetadata(
             num_reqs=num_reqs, num_tokens=num_tokens, num_padded_tokens=num_padded,
             slot_mapping=to(self.slot_mapping[:num_padded]),
@@ -125,3 +124,7 @@ class BatchBuilder:
             max_seq_len=max(seq_lens, default=0))
         return StepBatch(input_ids=to(self.input_ids[:num_padded]), positions=to(self.positions[:num_padded]),
                          meta=meta, logits_indices=logits_indices)
+
+    def _on_device(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A buffer's view as the step reads it: itself on CPU, else copied to the device."""
+        return buffer if self._on_cpu else buffer.to(self.config.device, non_blocking=True)
