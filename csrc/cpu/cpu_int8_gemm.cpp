@@ -36,7 +36,8 @@
 // vectors and the top 2 bits as two more (byte 4r + j: bits 2c, 2c + 1 those of K = 4c + j in the
 // first, of K = 16 + 4c + j in the second): 3360 bytes, 0.8203 per weight, as the file.
 // One vpdpbusd then adds 4 products for 16 outputs; a tile of 2 groups x 4 batch rows reuses
-// each weight vector 4 times and each activation broadcast twice.
+// each weight vector 4 times and each activation broadcast twice; decode batches take one group
+// x up to 8 rows instead (one_group_tiles: one stream of blocks).
 // On CPUs with AMX-INT8, batches of Q4_0 / Q4_1 / Q8_0 from a few rows up take the same blocks
 // on tiles instead (cpu_int8_gemm_amx.cpp), to the same bits.
 #include <ATen/Parallel.h>
@@ -471,14 +472,16 @@ KVS_INT8_TARGET void tile(const uint8_t* w, int64_t stride, int64_t blocks, cons
   }
 }
 
+// A group pair's tiles take 4 rows at a time; one group's take 8 (its 16 sums fit the registers).
 template <int64_t kType, int G>
 KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, const QuantRow* rows, int64_t m,
                              const float* bias, float* y, c10::BFloat16* y16, int64_t n, int64_t n0) {
+  constexpr int kRows = G == 1 ? 8 : 4;
   const int valid = static_cast<int>(std::min<int64_t>(G * kGroup, n - n0));
-  for (int64_t m0 = 0; m0 < m; m0 += 4) {
-    float* out[4] = {};
-    c10::BFloat16* out16[4] = {};
-    for (int r = 0; r < 4; ++r) {
+  for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+    float* out[kRows] = {};
+    c10::BFloat16* out16[kRows] = {};
+    for (int r = 0; r < kRows && m0 + r < m; ++r) {
       if (y16 != nullptr) {
         out16[r] = y16 + (m0 + r) * n + n0;
       } else {
@@ -487,6 +490,15 @@ KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, c
     }
     const float* b = bias != nullptr ? bias + n0 : nullptr;
     c10::BFloat16* const* o16 = y16 != nullptr ? out16 : nullptr;
+    if constexpr (G == 1) {
+      switch (std::min<int64_t>(kRows, m - m0)) {
+        case 8: tile<kType, G, 8>(w, stride, blocks, rows + m0, b, out, o16, valid); continue;
+        case 7: tile<kType, G, 7>(w, stride, blocks, rows + m0, b, out, o16, valid); continue;
+        case 6: tile<kType, G, 6>(w, stride, blocks, rows + m0, b, out, o16, valid); continue;
+        case 5: tile<kType, G, 5>(w, stride, blocks, rows + m0, b, out, o16, valid); continue;
+        default: break;
+      }
+    }
     switch (std::min<int64_t>(4, m - m0)) {
       case 4: tile<kType, G, 4>(w, stride, blocks, rows + m0, b, out, o16, valid); break;
       case 3: tile<kType, G, 3>(w, stride, blocks, rows + m0, b, out, o16, valid); break;
@@ -496,10 +508,29 @@ KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, c
   }
 }
 
+// Whether a batch of m rows takes its tiles one group at a time instead of in pairs of groups. A
+// decode batch does few multiply-adds per weight byte and is bound by the weights' stream: one
+// group at a time reads it as one sequential stream, where a pair reads two, a group's bytes
+// apart. A Zen 5 EPYC, 1 thread, ms a pass over the layers' blocks at 1 / 2 / 4 / 8 rows, pairs
+// against one group (2026-12-05): the 1B-class's 22 Q4_0 layers (545 MB) 19.1 / 24.1 / 31.1 / 40.2
+// against 14.9 / 15.7 / 14.5 / 25.5, its Q8_0 LM head 3.5 / 3.7 / 4.2 / 5.4 against 2.8 / 3.0 / 3.7
+// / 3.4; SmolLM2's 30 layers 2.14 / 1.88 / 1.79 / 2.96 against 1.69 / 1.73 / 1.92 / 3.17. Short
+// rows (K below 2048: SmolLM2's) lie close enough together for a pair to gain from its shared
+// activations from 4 rows; so do all from 16 rows (SmolLM2's layers at 64 rows 19.2 against 23.3).
+bool one_group_tiles(int64_t m, int64_t blocks) { return m <= 2 || (m <= 8 && blocks >= 64); }
+
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
                const float* bias, float* y, c10::BFloat16* y16, int64_t n) {
   const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
+  if (one_group_tiles(m, blocks)) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        rows_of<kType, 1>(packed + g * stride, stride, blocks, rows, m, bias, y, y16, n, g * kGroup);
+      }
+    });
+    return;
+  }
   const int64_t pairs = (groups + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -656,9 +687,7 @@ class Arena {
   size_t capacity_ = 0, used_ = 0;
 };
 
-// `linear_bytes`: the whole linear's packed bytes (a part's linear in gemm_parts), for kernel_for.
-Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n,
-               int64_t linear_bytes) {
+Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias_in, int64_t n) {
   TORCH_CHECK(kvsentry_int8::vector_isa() != VectorIsa::kNone, kOp,
               ": this CPU (or build) has neither AVX512-VNNI nor AVX-VNNI");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -668,7 +697,7 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
   const int64_t type = type_of(packed.size(2)), groups = packed.size(0);
   const int64_t blocks = packed.size(1) * (block_values(type) / kBlockK);
   const int64_t k = blocks * kBlockK;
-  const VectorIsa isa = kvsentry_int8::kernel_for(type, x_in.dim() == 2 ? x_in.size(0) : 0, linear_bytes);
+  const VectorIsa isa = kvsentry_int8::vector_isa();
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               kOp, ": x must be float32 or bf16 [M, ", k, "], got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -762,7 +791,7 @@ Tensor gemm_of(const Tensor& x_in, const Tensor& packed, const std::optional<Ten
 }
 
 Tensor gemm(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t n) {
-  return gemm_of(x, packed, bias, n, packed.numel());
+  return gemm_of(x, packed, bias, n);
 }
 
 Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tensor>& bias, int64_t n) {
@@ -788,7 +817,7 @@ Tensor gemm_parts(const Tensor& x, const Tensor& parts, const std::optional<Tens
       TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, "_parts: bias must be [", n, "]");
       part_bias = bias->narrow(0, n0, np);
     }
-    outs.push_back(gemm_of(x, parts.narrow(0, offset, length).view({groups, blocks, size}), part_bias, np, parts.numel()));
+    outs.push_back(gemm_of(x, parts.narrow(0, offset, length).view({groups, blocks, size}), part_bias, np));
     offset += length;
     n0 += np;
   }
@@ -807,33 +836,6 @@ VectorIsa vector_isa() {
 #endif
   static const VectorIsa best = best_isa();
   return best;
-}
-
-// A single row does few multiply-adds per weight byte. Where a model's blocks are small enough to
-// be partly in the last-level cache from one step to the next, the 256-bit kernel (two groups as
-// four halves) streams them faster than the 512-bit one, which stays near 30 GB/s (a Zen 5 EPYC,
-// 1 thread: SmolLM2's 60 MB of Q4_0 layers 1.12-1.34x a pass, its one-client decode 1.22-1.37x;
-// Q4_1 and Q5_0 1.07-1.30x). From memory it streams slower: the 1B-class's layers (2.4-13 MB
-// each) 0.82x a pass, its decode 0.81-0.84x. The weight's size stands for that: 2 MiB and below
-// (SmolLM2's largest linear is 1 MiB, the 1B-class's smallest 2.4). Q8_0 gains nothing (0.9x),
-// K-quants were not measured: both keep the 512-bit kernel. Bits are the same on either kernel,
-// so a row's result does not depend on its batch.
-bool one_row_avx_vnni() {
-#ifdef KVSENTRY_DEBUG_OPS
-  if (g_forced.load(std::memory_order_relaxed) != VectorIsa::kNone) return false;  // tests pick one kernel
-#endif
-  static const bool both = best_isa() == VectorIsa::kAvx512Vnni && avx_vnni_cpu();
-  return both;
-}
-
-constexpr int64_t kOneRowAvxVnniBytes = int64_t{2} << 20;
-
-VectorIsa kernel_for(int64_t type, int64_t m, int64_t bytes) {
-  if (m == 1 && (type == kQ4_0 || type == kQ4_1 || type == kQ5_0) && bytes <= kOneRowAvxVnniBytes &&
-      one_row_avx_vnni()) {
-    return VectorIsa::kAvxVnni;
-  }
-  return vector_isa();
 }
 
 const char* isa_name(VectorIsa isa) {

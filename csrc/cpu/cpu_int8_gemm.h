@@ -56,12 +56,6 @@ struct QuantRow {
 enum class VectorIsa { kNone, kAvx512Vnni, kAvxVnni };
 VectorIsa vector_isa();
 const char* isa_name(VectorIsa isa);  // "avx512_vnni", "avx_vnni", "none"
-// The kernel that multiplies m rows of `type` from `bytes` of packed blocks: vector_isa(), except
-// that where it is the 512-bit one, a single row of a small 4- or 5-bit weight takes the 256-bit
-// one on CPUs that have both.
-VectorIsa kernel_for(int64_t type, int64_t m, int64_t bytes);
-// Whether kernel_for sends single rows to AVX-VNNI here (the label names it beside AVX512-VNNI).
-bool one_row_avx_vnni();
 
 // AVX-VNNI (VEX-encoded 256-bit vpdpbusd, with AVX2, F16C and FMA): whether this CPU has it;
 // the quantization of one row of x [blocks * 32] float32; y [m, n] float32 = the rows times

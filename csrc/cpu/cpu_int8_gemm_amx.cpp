@@ -349,7 +349,6 @@ std::vector<std::string> kernels() {
   const VectorIsa isa = vector_isa();
   if (cpu_runs() && isa == VectorIsa::kAvx512Vnni) names.emplace_back("amx_int8");
   if (isa != VectorIsa::kNone) names.emplace_back(isa_name(isa));
-  if (one_row_avx_vnni()) names.emplace_back(isa_name(VectorIsa::kAvxVnni));  // single rows
   return names;
 }
 

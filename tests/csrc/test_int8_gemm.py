@@ -26,12 +26,12 @@ from tests.engine.int8_helpers import cpu_kernels
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q6_K)
-SHAPES = [(16, 32), (200, 96), (37, 64), (960, 576), (576, 1536)]
+# K from 2048 (64 blocks of 32) sends batches of up to 8 rows to one-group tiles of up to 8 rows.
+SHAPES = [(16, 32), (200, 96), (37, 64), (960, 576), (576, 1536), (40, 2048)]
 # K-quants: K in super-blocks of 256.
-K_SHAPES = [(16, 256), (200, 768), (37, 512), (960, 256), (576, 1536)]
+K_SHAPES = [(16, 256), (200, 768), (37, 512), (960, 256), (576, 1536), (40, 2048)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 32, 64, 100]
-# int8_gemm's vector kernels (kvsentry_debug.int8_gemm_isa), and "auto": the CPU's own choice, which on
-# CPUs with both sends single rows of Q4_0, Q4_1 and Q5_0 to the 256-bit kernel and the rest to the 512-bit one.
+# int8_gemm's vector kernels (kvsentry_debug.int8_gemm_isa), and "auto": the CPU's own choice.
 ISAS = ["auto", "avx512_vnni", "avx_vnni"]
 
 
@@ -117,15 +117,17 @@ def test_bf16_outputs_round_as_torch_does_nan_and_inf_included(isa_ops, m):
     assert torch.isinf(got[:, 2:6]).all()
 
 
+@pytest.mark.parametrize("k", [768, 2048])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_rows_bits_do_not_depend_on_its_batch(isa_ops, qtype):
+def test_a_rows_bits_do_not_depend_on_its_batch(isa_ops, qtype, k):
+    # K = 2048: one-group tiles up to 8 rows, pairs of groups from 9; K = 768: pairs from 3 rows.
     kvsentry_ops = isa_ops
-    n, k = 200, 768
+    n = 200
     raw = blocks(qtype, n, k, seed=5)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
     x = torch.randn(100, k)
     alone = torch.cat([kvsentry_ops.int8_gemm(x[i:i + 1], packed, None, n) for i in range(100)])
-    for m in (2, 5, 33, 100):
+    for m in (2, 5, 8, 9, 33, 100):
         assert torch.equal(kvsentry_ops.int8_gemm(x[:m], packed, None, n), alone[:m]), m
     with torch.no_grad():
         threads = torch.get_num_threads()

@@ -33,12 +33,10 @@ def assert_fused_stack_matches_loop(make_llm: Callable[..., LLM], prompts, param
 
 def cpu_kernels() -> list[str]:
     """The kernels int8_gemm picks from on this CPU and build, best first: AVX512-VNNI (with
-    AMX-INT8 tiles where the CPU has them, and AVX-VNNI for single rows where it has that too) in
-    a build for AVX-512, else AVX-VNNI (256-bit)."""
+    AMX-INT8 tiles where the CPU has them) in a build for AVX-512, else AVX-VNNI (256-bit)."""
     flags = cpu_flags()
     if library.cpu_capability() == "AVX512" and {"avx512bw", "avx512_vnni"} <= flags:
-        return ((["amx_int8"] if "amx_int8" in flags else []) + ["avx512_vnni"]
-                + (["avx_vnni"] if "avx_vnni" in flags else []))
+        return (["amx_int8"] if "amx_int8" in flags else []) + ["avx512_vnni"]
     return ["avx_vnni"] if "avx_vnni" in flags else []
 
 
