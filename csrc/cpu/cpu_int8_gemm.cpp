@@ -508,22 +508,23 @@ KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, c
   }
 }
 
-// Whether a batch of m rows takes its tiles one group at a time instead of in pairs of groups. A
-// decode batch does few multiply-adds per weight byte and is bound by the weights' stream: one
-// group at a time reads it as one sequential stream, where a pair reads two, a group's bytes
-// apart. A Zen 5 EPYC, 1 thread, ms a pass over the layers' blocks at 1 / 2 / 4 / 8 rows, pairs
-// against one group (2026-12-05): the 1B-class's 22 Q4_0 layers (545 MB) 19.1 / 24.1 / 31.1 / 40.2
-// against 14.9 / 15.7 / 14.5 / 25.5, its Q8_0 LM head 3.5 / 3.7 / 4.2 / 5.4 against 2.8 / 3.0 / 3.7
-// / 3.4; SmolLM2's 30 layers 2.14 / 1.88 / 1.79 / 2.96 against 1.69 / 1.73 / 1.92 / 3.17. Short
-// rows (K below 2048: SmolLM2's) lie close enough together for a pair to gain from its shared
-// activations from 4 rows; so do all from 16 rows (SmolLM2's layers at 64 rows 19.2 against 23.3).
-bool one_group_tiles(int64_t m, int64_t blocks) { return m <= 2 || (m <= 8 && blocks >= 64); }
+// Whether a batch of m rows takes its tiles one group at a time instead of in pairs of groups;
+// `stride`: a group's bytes. A decode batch does few multiply-adds per weight byte and is bound
+// by the weights' stream: one group at a time reads it as one sequential stream, where a pair
+// reads two, a group's bytes apart. A Zen 5 EPYC, 1 thread (2026-12-05), ms a pass over the
+// layers' blocks at 1 / 2 / 4 / 8 rows, pairs against one group: the 1B-class's 22 Q4_0 layers
+// (545 MB) 19.1 / 24.1 / 31.1 / 40.2 against 14.9 / 15.7 / 14.5 / 25.5, its Q8_0 LM head 3.5 /
+// 3.7 / 4.2 / 5.4 against 2.8 / 3.0 / 3.7 / 3.4. Short groups (below 8 KiB: SmolLM2's Q4_0 rows of
+// 576, 5 KiB) lie close enough together for a pair to gain from its shared activations from 4
+// rows (its q|k|v at 6 / 8 rows 12.4 / 15.7 us against 13.7 / 17.5), and every group does from 9
+// rows (SmolLM2's layers at 64 rows: 19.2 ms against 23.3).
+bool one_group_tiles(int64_t m, int64_t stride) { return m <= 2 || (m <= 8 && stride >= 8192); }
 
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
                const float* bias, float* y, c10::BFloat16* y16, int64_t n) {
   const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
-  if (one_group_tiles(m, blocks)) {
+  if (one_group_tiles(m, stride)) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         rows_of<kType, 1>(packed + g * stride, stride, blocks, rows, m, bias, y, y16, n, g * kGroup);

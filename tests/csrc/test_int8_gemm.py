@@ -26,7 +26,8 @@ from tests.engine.int8_helpers import cpu_kernels
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q6_K)
-# K from 2048 (64 blocks of 32) sends batches of up to 8 rows to one-group tiles of up to 8 rows.
+# Groups of 8 KiB and more (K = 2048 in every format, Q8_0 from K = 512) take batches of up to 8 rows
+# one group at a time, in tiles of up to 8 rows; shorter ones in pairs of groups from 3 rows.
 SHAPES = [(16, 32), (200, 96), (37, 64), (960, 576), (576, 1536), (40, 2048)]
 # K-quants: K in super-blocks of 256.
 K_SHAPES = [(16, 256), (200, 768), (37, 512), (960, 256), (576, 1536), (40, 2048)]
@@ -120,7 +121,8 @@ def test_bf16_outputs_round_as_torch_does_nan_and_inf_included(isa_ops, m):
 @pytest.mark.parametrize("k", [768, 2048])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch(isa_ops, qtype, k):
-    # K = 2048: one-group tiles up to 8 rows, pairs of groups from 9; K = 768: pairs from 3 rows.
+    # K = 2048: one-group tiles up to 8 rows, pairs of groups from 9; K = 768: pairs from 3 rows
+    # for Q4_0, Q4_1 and Q4_K (Q5_0's, Q8_0's and Q6_K's groups are 8 KiB or more there).
     kvsentry_ops = isa_ops
     n = 200
     raw = blocks(qtype, n, k, seed=5)
