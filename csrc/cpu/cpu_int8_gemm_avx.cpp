@@ -14,8 +14,8 @@
 // So a row's bits are the same whichever kernel the CPU picks (tests/csrc/test_int8_gemm.py runs
 // both on CPUs that have both).
 //
-// A tile: H halves (8 outputs each: one group's 2, or a pair of groups' 4) x R batch rows; each
-// weight vector serves R rows, each activation broadcast H halves. Measured against the
+// A tile: H halves (8 outputs each; one group's 2) x R batch rows; each weight vector serves R
+// rows, each activation broadcast H halves. Measured against the
 // AVX512-VNNI kernel on the same CPU: docs/kernels.md.
 #include <ATen/Parallel.h>
 
@@ -290,29 +290,18 @@ KVS_AVX_VNNI_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t block
   }
 }
 
-// Threads split the groups: one at a time, or for batches below a tile's rows (decode) pairs of
-// them, whose 4 halves keep more loads and products in flight (~10% faster at one row, slower
-// from 4 rows, where a pair's 16 sums spill).
+// Threads split the groups, one group at a time: its blocks are one stream. Pairs of groups
+// (two streams, a group's bytes apart) kept more loads in flight but streamed slower from memory:
+// a Zen 5 EPYC, 1 thread, 2026-12-05, the 1B-class's 22 Q4_0 layers at 1 / 2 / 3 rows 24.7 / 26.8
+// / 21.5-22.9 ms a pass in pairs against 15.4 / 14.2 / 19.0-19.4 one group at a time, SmolLM2's
+// 1.86 / 2.17 / 2.48 against 1.79 / 1.88 / 2.40.
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
                const float* bias, float* y, int64_t n) {
   const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
-  if (m >= kTileRows) {
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        rows_of<kType, 2>(packed + g * stride, stride, blocks, rows, m, bias, y, n, g * kGroup);
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* w = packed + 2 * p * stride;
-      if (2 * p + 1 < groups) {
-        rows_of<kType, 4>(w, stride, blocks, rows, m, bias, y, n, 2 * p * kGroup);
-      } else {
-        rows_of<kType, 2>(w, stride, blocks, rows, m, bias, y, n, 2 * p * kGroup);
-      }
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      rows_of<kType, 2>(packed + g * stride, stride, blocks, rows, m, bias, y, n, g * kGroup);
     }
   });
 }
