@@ -18,11 +18,12 @@ from tests.service.server_process import ServerProcess
 
 PROMPTS = [f"request {i}: the key value cache of" for i in range(24)]
 MAX_TOKENS = 300
+LONG_TOKENS = 1200
 
 
 def start(path: str, log_dir, *flags: str) -> ServerProcess:
     # One running per rank: eleven wait, so a death finds some unstarted (re-queued).
-    server = ServerProcess(path, "--served-model-name", "m", "--max-model-len", "400", "--threads", "1",
+    server = ServerProcess(path, "--served-model-name", "m", "--max-model-len", "1300", "--threads", "1",
                            "--max-num-seqs", "1",
                            "--enable-fault-injection", "--health-stall-timeout", "8", *flags,
                            log_dir=log_dir, api_key=None)
@@ -60,14 +61,15 @@ def greedy(client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int) ->
     return "ok", tokens
 
 
-def run_load(server: ServerProcess, fault: dict | None, max_tokens: int = MAX_TOKENS) -> list[tuple[str, list]]:
+def run_load(server: ServerProcess, fault: dict | None, max_tokens: int = MAX_TOKENS,
+             after_requests: float = 1.5) -> list[tuple[str, list]]:
     """24 concurrent requests, every other one streamed; `fault` armed first, to act mid-load."""
     client = server.openai(timeout=120)
     if fault is not None:
-        # The rank acts it out after 1.5 requests' steps of its own work: in its second request,
-        # with tokens streamed and ten unstarted (one runs per rank). Posted mid-load instead, it
-        # raced the load: a fast rank could be idle by the time it arrived.
-        fault = {"after_steps": max_tokens * 3 // 2, **fault}
+        # The rank acts it out after `after_requests` requests' steps of its own work: mid-request,
+        # with tokens streamed and others unstarted (one runs per rank). Posted mid-load instead,
+        # it raced the load: a fast rank could be idle by the time it arrived.
+        fault = {"after_steps": int(max_tokens * after_requests), **fault}
         response = httpx.post(f"{server.url}/debug/faults", json=fault, timeout=10)
         assert response.status_code == 200, response.text
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -115,13 +117,17 @@ def all_pids(server: ServerProcess) -> list[int]:
 def test_dp2_rank_killed_under_load(checkpoint, tmp_path, preset):
     server = start(checkpoint(preset), tmp_path, "--data-parallel-size", "2")
     # The MoE group steps in lockstep over gloo, ~10 ms a step here: shorter requests keep its
-    # four loads to about a minute.
-    tokens = MAX_TOKENS if preset == "tiny-llama" else 100
+    # four loads to about a minute. The dense ranks step in ~0.2 ms, faster than the front end
+    # admits 24 requests on a loaded machine (the last ones' time to first token up to 1.1 s):
+    # with 300-token requests a rank could drain its queue as they arrived, and a death then
+    # found none unstarted to re-queue. Requests of 1200 tokens, the death in a rank's sixth,
+    # leave the admission a rank's five requests' time.
+    tokens, after_requests = (LONG_TOKENS, 5.5) if preset == "tiny-llama" else (100, 1.5)
     pids = all_pids(server)
     try:
         reference = run_load(server, None, tokens)
         assert all(outcome == "ok" for outcome, _ in reference)
-        results = run_load(server, {"rank": 1, "kind": "kill_rank"}, tokens)
+        results = run_load(server, {"rank": 1, "kind": "kill_rank"}, tokens, after_requests)
         check_against_reference(results, reference)
         wait_full(server, 2, restarts=1)
         assert server.metric("kvsentry_rank_restarts_total", engine="1", reason="killed") == [1.0]
