@@ -14,7 +14,7 @@ from engine.engine_core.engine_core import EngineCore
 from engine.messages import EngineRequest, Fault
 from engine.sampling_params import SamplingParams
 from engine.worker.kv_cache import layer_tensors
-from tests.engine.dp_helpers import wait_stats
+from tests.engine.dp_helpers import free_port_block, wait_stats
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -158,7 +158,8 @@ def test_dp2_lockstep_dummy_batches_write_nothing_foreign_until_a_stale_one_runs
     from engine.frontend.llm import LLM
     from service.demo import default_demo_path
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, kv_checksums="full", dtype="float32") as dp:
+    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, kv_checksums="full", dtype="float32",
+             data_parallel_rpc_port=free_port_block(3)) as dp:
         dp.generate([prompt(4, 3 * BLOCK), prompt(5, 20)], [long, GREEDY], rank_of=[0, 1])
         wait_stats(dp.engine, wave_over, what="the wave's last stats")  # ranks report as a wave ends
         clean = dp.engine.stats

@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.grammar import GrammarError, compiler_for
 from engine.structured.spec import StructuredOutputs
 from service.demo import default_demo_path
+from tests.engine.dp_helpers import free_port_block
 from benchmarks.structured_schemas import SCHEMAS
 
 MAX_TOKENS = 96
@@ -138,7 +139,8 @@ def test_dp2_grammar_lives_on_its_rank(llm):
     params = [SamplingParams(temperature=0.0, max_tokens=32),
               SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=json_spec(SCHEMAS[2][1]))]
     single = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    with LLM(model=default_model_path(), num_threads=1, quantized_activations=EXACT, dtype="float32", data_parallel_size=2) as dp:
+    with LLM(model=default_model_path(), num_threads=1, quantized_activations=EXACT, dtype="float32", data_parallel_size=2,
+             data_parallel_rpc_port=free_port_block(3)) as dp:
         outputs = dp.generate(prompts + prompts, params + params, rank_of=[0, 1, 0, 1])
         assert [o.outputs[0].token_ids for o in outputs] == single + single
         jsonschema.validate(json.loads(outputs[1].outputs[0].text), SCHEMAS[2][1])
@@ -155,7 +157,8 @@ def test_dp2_moe_mixed_batches_with_dummy_batches_running():
                                   structured_outputs=StructuredOutputs(kind="regex", spec=regex)),
                    SamplingParams(temperature=1.0, seed=4, max_tokens=12,
                                   structured_outputs=StructuredOutputs(kind="choice", spec=json.dumps(choices)))]
-    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, dtype="float32") as dp:
+    with LLM(model=str(default_demo_path()), num_threads=1, data_parallel_size=2, dtype="float32",
+             data_parallel_rpc_port=free_port_block(3)) as dp:
         alone = [o.outputs[0].token_ids for o in dp.generate(free_prompts, free, rank_of=[0, 1])]
         dummies_before = dp.engine.stats[0].dummy_batches
         mixed = dp.generate(free_prompts + [[12, 13, 14], [15, 16]], free + constrained, rank_of=[0, 1, 0, 0])
