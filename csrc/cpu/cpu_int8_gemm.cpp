@@ -37,7 +37,8 @@
 // first, of K = 16 + 4c + j in the second): 3360 bytes, 0.8203 per weight, as the file.
 // One vpdpbusd then adds 4 products for 16 outputs; a tile of 2 groups x 4 batch rows reuses
 // each weight vector 4 times and each activation broadcast twice; decode batches take one group
-// x up to 8 rows instead (one_group_tiles: one stream of blocks).
+// x up to 8 rows instead (one_group_tiles: one stream of blocks), as do batches up to 32 rows of
+// the large groups of K up to 2048.
 // On CPUs with AMX-INT8, batches of Q4_0 / Q4_1 / Q8_0 from a few rows up take the same blocks
 // on tiles instead (cpu_int8_gemm_amx.cpp), to the same bits.
 #include <ATen/Parallel.h>
@@ -518,13 +519,23 @@ KVS_INT8_TARGET void rows_of(const uint8_t* w, int64_t stride, int64_t blocks, c
 // 576, 5 KiB) lie close enough together for a pair to gain from its shared activations from 4
 // rows (its q|k|v at 6 / 8 rows 12.4 / 15.7 us against 13.7 / 17.5), and every group does from 9
 // rows (SmolLM2's layers at 64 rows: 19.2 ms against 23.3).
-bool one_group_tiles(int64_t m, int64_t stride) { return m <= 2 || (m <= 8 && stride >= 8192); }
+// Groups of 16 KiB or more with K at most 2048 (the 1B-class's q|k|v, o and gate|up, its Q8_0 LM
+// head) keep one group up to 32 rows: a pair's tiles of 4 rows read the pair's blocks (36 KiB and
+// more, past a 48 KiB L1 beside the rows) once per 4 rows, one group's tiles of 8 once per 8.
+// The same Zen 5, us a call from memory at 12 / 16 / 24 / 32 rows, pairs against one group: Q4_0
+// 2048 x 2048 235 / 282 / 369 / 458 against 174 / 224 / 338 / 447, the Q8_0 49152 x 2048 head
+// 6316 / 7608 / 9882 / 12269 against 4619 / 5726 / 8472 / 11139 (at 48 rows 634 against 675 and
+// 17022 against 16517). With K = 5632 (the 1B-class's down projection) 8 rows' activations fill
+// the L1 instead, and pairs win from 16 rows (626 / 878 / 1112 against 642 / 940 / 1248).
+bool one_group_tiles(int64_t m, int64_t stride, int64_t blocks) {
+  return m <= 2 || (m <= 8 && stride >= 8192) || (m <= 32 && stride >= 16384 && blocks <= 64);
+}
 
 template <int64_t kType>
 void gemm_type(const uint8_t* packed, int64_t groups, int64_t blocks, const QuantRow* rows, int64_t m,
                const float* bias, float* y, c10::BFloat16* y16, int64_t n) {
   const int64_t stride = blocks / (block_values(kType) / kBlockK) * packed_bytes(kType);
-  if (one_group_tiles(m, stride)) {
+  if (one_group_tiles(m, stride, blocks)) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         rows_of<kType, 1>(packed + g * stride, stride, blocks, rows, m, bias, y, y16, n, g * kGroup);

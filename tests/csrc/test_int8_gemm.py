@@ -121,15 +121,16 @@ def test_bf16_outputs_round_as_torch_does_nan_and_inf_included(isa_ops, m):
 @pytest.mark.parametrize("k", [768, 2048])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch(isa_ops, qtype, k):
-    # K = 2048: one-group tiles up to 8 rows, pairs of groups from 9; K = 768: pairs from 3 rows
-    # for Q4_0, Q4_1 and Q4_K (Q5_0's, Q8_0's and Q6_K's groups are 8 KiB or more there).
+    # K = 2048: one-group tiles up to 32 rows (every format's group is 16 KiB or more there),
+    # pairs of groups above; K = 768: pairs from 3 rows for Q4_0,
+    # Q4_1 and Q4_K (Q5_0's, Q8_0's and Q6_K's groups are 8 KiB or more there).
     kvsentry_ops = isa_ops
     n = 200
     raw = blocks(qtype, n, k, seed=5)
     packed = kvsentry_ops.int8_gemm_pack(raw, int(qtype), k)
     x = torch.randn(100, k)
     alone = torch.cat([kvsentry_ops.int8_gemm(x[i:i + 1], packed, None, n) for i in range(100)])
-    for m in (2, 5, 8, 9, 33, 100):
+    for m in (2, 5, 8, 9, 20, 32, 33, 100):
         assert torch.equal(kvsentry_ops.int8_gemm(x[:m], packed, None, n), alone[:m]), m
     with torch.no_grad():
         threads = torch.get_num_threads()
