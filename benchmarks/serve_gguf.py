@@ -10,13 +10,15 @@ llama-quantize, cached: the format llama.cpp repacks at load on x86), "1b-q4_0",
 or a .gguf path. Both servers read the same file.
 
 How it measures (as a user runs each): llama.cpp with -t/-tb = --threads, -np = the level's
-concurrency (a fresh llama-server per level, as slots are fixed at start), -c = slots x
---max-model-len, every request with "cache_prompt": false; kvsentry with `--threads`, prefix caching
-off, started once (its batch is not fixed at start) and idle while llama.cpp is measured. Levels
-alternate which server goes first (A B, B A, ...). Prompts are text: consecutive words of Newton's
-Opticks (perplexity.py's text) from seeded offsets, fresh per level and the same for both servers,
-about --input-words words (~100 tokens); greedy, `ignore_eos`, --output-len new tokens, streamed.
-Each level is warmed up on prompts of its own first.
+concurrency (a fresh llama-server per level, as slots are fixed at start, idle while kvsentry is
+measured), -c = slots x --max-model-len, every request with "cache_prompt": false; kvsentry with
+`--threads`, prefix caching off, started once (its batch is not fixed at start) and idle while
+llama.cpp is measured. Levels alternate which server goes first (A B, B A, ...). With --rounds N
+each level measures both servers N times in A B B A order, fresh prompts each round, and its ratio is the median of kvsentry's rounds over the median of
+llama.cpp's: on a shared 2-core machine one round of each moves by 10-20%. Prompts are text:
+consecutive words of Newton's Opticks (perplexity.py's text) from seeded offsets, fresh per level
+and round and the same for both servers, about --input-words words (~100 tokens); greedy,
+`ignore_eos`, --output-len new tokens, streamed. Each level is warmed up on prompts of its own first.
 
 Outputs are compared loosely: llama.cpp's numerics differ (its own quantized dot products), so the
 report is greedy agreement (identical completions) and the first divergent token position per prompt
@@ -50,6 +52,28 @@ from engine import envs  # noqa: E402
 
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 32, 32
 WARMUP_TOKENS = 8
+
+
+def round_order(level: int, rounds: int) -> list[str]:
+    """Which server each measurement of level `level` goes to: A B, B A, A B, ... over the rounds,
+    A being kvsentry on even levels and llama.cpp on odd ones (A B B A for two rounds)."""
+    pair = ["kvsentry", "llama.cpp"] if level % 2 == 0 else ["llama.cpp", "kvsentry"]
+    return [name for r in range(rounds) for name in (pair if r % 2 == 0 else pair[::-1])]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def level_ratio(rows: list[dict], concurrency: int) -> dict:
+    """kvsentry's median output tokens/s over llama.cpp's at one level, and each round's own ratio."""
+    rates = {name: [r["output_tok_s"] for r in rows if r["server"] == name and r["concurrency"] == concurrency]
+             for name in ("kvsentry", "llama.cpp")}
+    ours, theirs = median(rates["kvsentry"]), median(rates["llama.cpp"])
+    return {"concurrency": concurrency, "output_tok_s": round(ours / theirs, 3) if theirs else None,
+            "rounds": [round(a / b, 3) if b else None for a, b in zip(rates["kvsentry"], rates["llama.cpp"])]}
 
 
 def model_file(name: str) -> str:
@@ -217,6 +241,7 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--no-agreement", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="measurements of each server per level, A B B A (medians)")
     args = p.parse_args()
     stamp = provenance()
     gguf = model_file(args.model)
@@ -228,20 +253,23 @@ def main() -> int:
         for index, concurrency in enumerate(args.concurrency):
             requests = max(concurrency * args.requests_per_client, args.min_requests)
             seed = args.seed * 1_000_003 + concurrency
-            prompts, warmup = text_prompts(requests, args.input_words, seed), text_prompts(concurrency, args.input_words, ~seed)
-            for name in (("kvsentry", "llama.cpp") if index % 2 == 0 else ("llama.cpp", "kvsentry")):
-                load = os.getloadavg()[0]
-                if name == "kvsentry":
-                    asyncio.run(run_level(kv.url, warmup, concurrency, WARMUP_TOKENS, False))
-                    row = asyncio.run(run_level(kv.url, prompts, concurrency, args.output_len, False, kv.pid))
-                else:
-                    with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
-                        asyncio.run(run_level(llama.url, warmup, concurrency, WARMUP_TOKENS, True))
+            warmup = text_prompts(concurrency, args.input_words, ~seed)
+            order = round_order(index, args.rounds)
+            with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
+                asyncio.run(run_level(llama.url, warmup, concurrency, WARMUP_TOKENS, True))
+                asyncio.run(run_level(kv.url, warmup, concurrency, WARMUP_TOKENS, False))
+                for turn, name in enumerate(order):
+                    # Fresh prompts each round, the same for both servers within it.
+                    prompts = text_prompts(requests, args.input_words, seed + 7919 * (turn // 2))
+                    load = os.getloadavg()[0]
+                    if name == "kvsentry":
+                        row = asyncio.run(run_level(kv.url, prompts, concurrency, args.output_len, False, kv.pid))
+                    else:
                         row = asyncio.run(run_level(llama.url, prompts, concurrency, args.output_len, True, llama.pid))
-                        memory[f"llama.cpp -np {concurrency}"] = tree_rss(llama.pid)
-                row = {"server": name, **row, "load_avg_1m_before": round(load, 2)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    row = {"server": name, **row, "round": turn // 2, "load_avg_1m_before": round(load, 2)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                memory[f"llama.cpp -np {concurrency}"] = tree_rss(llama.pid)
         memory["kvsentry"] = tree_rss(kv.pid)
         if not args.no_agreement:
             prompts = text_prompts(AGREEMENT_PROMPTS, args.input_words, args.seed + 424242)
@@ -249,12 +277,7 @@ def main() -> int:
             with LlamaCppServer(gguf, args.threads, 1, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
                 agree = agreement(ours, greedy_ids(llama.url, prompts, True))
             print("agreement", json.dumps(agree), flush=True)
-    ratios = []
-    for concurrency in args.concurrency:
-        ours, theirs = ([r for r in rows if r["server"] == s and r["concurrency"] == concurrency][0]
-                        for s in ("kvsentry", "llama.cpp"))
-        ratios.append({"concurrency": concurrency, "output_tok_s": round(ours["output_tok_s"] / theirs["output_tok_s"], 3)
-                       if theirs["output_tok_s"] else None})
+    ratios = [level_ratio(rows, concurrency) for concurrency in args.concurrency]
     print("ratios", json.dumps(ratios), "\nmemory", json.dumps(memory), flush=True)
     label = f"-{args.label}" if args.label else ""
     write_result(f"serve-gguf-{Path(gguf).stem}-{args.dtype}{label}-t{args.threads}",
