@@ -37,6 +37,7 @@ from engine.messages import EngineRequest, Fault, GroupBroken, RankFailed, RankJ
 logger = logging.getLogger("kvsentry.supervisor")
 
 REFORM_RESEND_SECONDS = 5.0
+WATCH_SECONDS = 0.25  # how often the wedge detector looks
 
 
 class AsyncEngineClient:
@@ -346,19 +347,28 @@ class AsyncEngineClient:
     async def _watch(self) -> None:
         """The wedge detector: a ready rank silent for wedge_timeout is killed (remote: dropped),
         and replaced like any dead rank. In a lockstep group, whose members all fall silent
-        when one stops (they wait on it in a collective), only the longest-silent one."""
+        when one stops (they wait on it in a collective), only the longest-silent one.
+        Silence is judged only on what this process has read: when the process itself was held
+        up (a busy host, a blocked event loop), what the ranks sent meanwhile waits in the
+        sockets, so a late round judges nobody and a verdict waits until the readers ran."""
+        woke = time.monotonic()
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(WATCH_SECONDS)
+            late, woke = time.monotonic() - woke - WATCH_SECONDS, time.monotonic()
             if not self._started or self._closed or self.dead_reason:
                 continue
             self._maybe_reform()
             now = time.monotonic()
             if self.reforming and self.reform_sent and now - self.reform_sent_at > REFORM_RESEND_SECONDS:
                 self._send_reform()
-            silent = sorted((self.state.last_seen[r], r) for r in self.state.ready_ranks
-                            if now - self.state.last_seen[r] > self.wedge_timeout)
-            for _, rank in silent[:1] if self.state.lockstep else silent:
-                self._wedged(rank, now - self.state.last_seen[rank])
+            if late < WATCH_SECONDS and self._silent_ranks(now):
+                await asyncio.sleep(WATCH_SECONDS / 5)  # the readers go first
+                if self._closed or self.dead_reason:
+                    continue
+                now = time.monotonic()
+                silent = self._silent_ranks(now)
+                for _, rank in silent[:1] if self.state.lockstep else silent:
+                    self._wedged(rank, now - self.state.last_seen[rank])
             if self.reforming and not self.reform_sent and now - self.broken_at > self.wedge_timeout:
                 # A survivor unheard since the break is the hung one (the longest-silent pick
                 # above can hit a peer that was only waiting on it).
@@ -366,6 +376,11 @@ class AsyncEngineClient:
                     if (proc.is_alive() and self.spawned_at[rank] < self.broken_at and rank not in self.joining
                             and self.state.last_seen[rank] <= self.broken_at and rank not in self.death_reasons):
                         self._wedged(rank, now - self.state.last_seen[rank])
+
+    def _silent_ranks(self, now: float) -> list[tuple[float, int]]:
+        """Ready ranks unheard for wedge_timeout, as (last heard, rank), longest-silent first."""
+        return sorted((self.state.last_seen[r], r) for r in self.state.ready_ranks
+                      if now - self.state.last_seen[r] > self.wedge_timeout)
 
     def _wedged(self, rank: int, silent_for: float) -> None:
         logger.warning("DP rank %d sent nothing for %.0f s: wedged", rank, silent_for)

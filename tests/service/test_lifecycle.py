@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.service.conftest import MAIN_MAX_QUEUED
+from tests.service.conftest import MAIN_MAX_QUEUED, MAIN_STALL_TIMEOUT
 from tests.service.server_process import free_port_run, ServerProcess
 
 LONG = {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True}
@@ -110,6 +110,29 @@ def test_wedged_rank_is_replaced(server):
                     timeout=30)
     assert ok.status_code == 200, ok.text
     server.wait_idle(timeout=10)
+
+
+def test_a_held_up_front_end_wedges_no_rank(server):
+    """The wedge detector judges silence on what the front end has read: a front end stopped
+    for longer than the wedge timeout (a busy host) finds the heartbeats its rank sent
+    meanwhile waiting in the socket, and kills nobody."""
+    server.wait_idle()
+    wait_status(f"{server.url}/ready", 200, timeout=60)
+    [rank] = server.rank_pids()
+    before = sum(server.metric("kvsentry_rank_restarts_total"))
+    verdicts = server.log_text().count(": wedged")
+    server.signal(signal.SIGSTOP)
+    try:
+        time.sleep(MAIN_STALL_TIMEOUT)  # twice the wedge timeout; the rank heartbeats every second
+    finally:
+        server.signal(signal.SIGCONT)
+    time.sleep(1.0)  # a few rounds of the detector
+    assert server.log_text().count(": wedged") == verdicts, server.log_tail()
+    assert server.rank_pids() == [rank]
+    assert sum(server.metric("kvsentry_rank_restarts_total")) == before
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=server.headers,
+                    timeout=30)
+    assert ok.status_code == 200, ok.text
 
 
 def read_events(lines) -> list:
