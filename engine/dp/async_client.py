@@ -28,16 +28,15 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.dp.client import (RANK_SILENCE_SECONDS, ClientResources, ClientState, EngineDeadError, RankDiedError,
                               check_local_placement, dead_process_reason, killed_process_reason, local_ranks,
-                              send_now, send_shutdown, spawn_rank, stop_processes)
+                              send_now, send_shutdown, spawn_rank, stop_processes_off_loop)
 from engine.dp.rank import endpoints
 from engine.dp.rendezvous import host_store
-from engine.dp.supervision import CrashLoop, SupervisionCounters
+from engine.dp.supervision import WATCH_SECONDS, CrashLoop, SupervisionCounters, silent_ranks
 from engine.messages import EngineRequest, Fault, GroupBroken, RankFailed, RankJoining, Reform, StepStats
 
 logger = logging.getLogger("kvsentry.supervisor")
 
 REFORM_RESEND_SECONDS = 5.0
-WATCH_SECONDS = 0.25  # how often the wedge detector looks
 
 
 class AsyncEngineClient:
@@ -148,7 +147,7 @@ class AsyncEngineClient:
             send_shutdown(self.inputs, self.state)
         for task in self._tasks:
             task.cancel()
-        await _stop(self.procs)  # off the event loop; release() then finds them stopped
+        await stop_processes_off_loop(self.procs)  # off the event loop; release() then finds them stopped
         if hasattr(self, "_release"):
             self._release()
 
@@ -347,10 +346,7 @@ class AsyncEngineClient:
     async def _watch(self) -> None:
         """The wedge detector: a ready rank silent for wedge_timeout is killed (remote: dropped),
         and replaced like any dead rank. In a lockstep group, whose members all fall silent
-        when one stops (they wait on it in a collective), only the longest-silent one.
-        Silence is judged only on what this process has read: when the process itself was held
-        up (a busy host, a blocked event loop), what the ranks sent meanwhile waits in the
-        sockets, so a late round judges nobody and a verdict waits until the readers ran."""
+        when one stops (they wait on it in a collective), only the longest-silent one."""
         woke = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_SECONDS)
@@ -378,9 +374,7 @@ class AsyncEngineClient:
                         self._wedged(rank, now - self.state.last_seen[rank])
 
     def _silent_ranks(self, now: float) -> list[tuple[float, int]]:
-        """Ready ranks unheard for wedge_timeout, as (last heard, rank), longest-silent first."""
-        return sorted((self.state.last_seen[r], r) for r in self.state.ready_ranks
-                      if now - self.state.last_seen[r] > self.wedge_timeout)
+        return silent_ranks(self.state.last_seen, self.state.ready_ranks, now, self.wedge_timeout)
 
     def _wedged(self, rank: int, silent_for: float) -> None:
         logger.warning("DP rank %d sent nothing for %.0f s: wedged", rank, silent_for)
@@ -402,11 +396,3 @@ class AsyncEngineClient:
         self.queues.clear()
         self.pending.clear()
 
-
-async def _stop(procs) -> None:
-    """Join the rank processes off the event loop; inline when the interpreter is already
-    exiting (no executor threads may start then)."""
-    try:
-        await asyncio.to_thread(stop_processes, procs)
-    except RuntimeError:
-        stop_processes(procs)

@@ -8,6 +8,7 @@ ranks for a worker node of a multi-node group.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import multiprocessing as mp
 import time
@@ -378,3 +379,12 @@ class DPEngineClient:
 
     def close(self) -> None:
         self._release()  # once: later calls, and the finalizer, do nothing
+
+
+async def stop_processes_off_loop(procs) -> None:
+    """Join the rank processes off the event loop; inline when the interpreter is already
+    exiting (no executor threads may start then)."""
+    try:
+        await asyncio.to_thread(stop_processes, procs)
+    except RuntimeError:
+        stop_processes(procs)

@@ -1,5 +1,6 @@
 """What the front end's rank supervisor decides, without the processes: when to respawn a dead
-rank (crash-loop backoff), when to give up, and the counters its metrics read.
+rank (crash-loop backoff), when to give up, which ranks are wedged, and the counters its
+metrics read.
 
 The process side -- a sentinel fd per local rank watched by the event loop, the re-queue of
 requests, the lockstep group's re-forming -- is engine/dp/async_client.py.
@@ -14,6 +15,7 @@ from engine.config import EngineConfig
 BACKOFF_FIRST_SECONDS = 1.0  # a rank's second death within the window waits this long, then 2x each time
 BACKOFF_MAX_SECONDS = 30.0
 RESTART_REASONS = ("killed", "exited", "wedged")  # by a signal, by an exit code, by the wedge detector
+WATCH_SECONDS = 0.25  # how often the wedge detector looks
 
 
 @dataclass
@@ -53,3 +55,11 @@ class CrashLoop:
     def verdict(self) -> str:
         return f"crash loop: {len(self.deaths)} DP rank deaths within {self.window:g} s " \
                f"(--max-rank-restarts {self.max_restarts})"
+
+
+def silent_ranks(last_seen: dict[int, float], ready: set[int], now: float, timeout: float) -> list[tuple[float, int]]:
+    """Ready ranks unheard for `timeout` at `now`, as (last heard, rank), longest-silent first.
+    Silence is judged on what the front end has read: when it was held up itself (a busy host,
+    a blocked event loop), what the ranks sent meanwhile still waits in its sockets, so the
+    detector skips a round that woke late and re-asks once its readers have run."""
+    return sorted((last_seen[r], r) for r in ready if now - last_seen[r] > timeout)
