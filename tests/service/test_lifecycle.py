@@ -12,10 +12,17 @@ import httpx
 import psutil
 import pytest
 
-from tests.service.conftest import MAIN_MAX_QUEUED, MAIN_STALL_TIMEOUT
+from tests.service.conftest import MAIN_MAX_QUEUED, main_server
 from tests.service.server_process import free_port_run, ServerProcess
 
 LONG = {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True}
+WEDGE_STALL_TIMEOUT = 4  # --health-stall-timeout of the wedge tests' server: a rank silent for 2 s is wedged
+
+
+@pytest.fixture(scope="module")
+def wedge_server(llama_path, tmp_path_factory):
+    """The shared server's twin with a tight stall timeout, for the wedge detector's tests alone."""
+    yield from main_server(llama_path, tmp_path_factory.mktemp("wedge-logs"), WEDGE_STALL_TIMEOUT)
 
 
 def open_stream(server: ServerProcess, client: httpx.Client, body: dict):
@@ -85,10 +92,11 @@ def wait_status(url: str, status: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def test_wedged_rank_is_replaced(server):
+def test_wedged_rank_is_replaced(wedge_server):
     """A rank alive but making no progress (SIGSTOP) is found by the wedge detector (silent for
     half of --health-stall-timeout), killed and respawned; the stream it was serving ends with
     an error, /health stays 200, and the server serves again from the new rank."""
+    server = wedge_server
     server.wait_idle()
     [rank] = server.rank_pids()
     with httpx.Client(timeout=60) as client:
@@ -112,10 +120,11 @@ def test_wedged_rank_is_replaced(server):
     server.wait_idle(timeout=10)
 
 
-def test_a_held_up_front_end_wedges_no_rank(server):
+def test_a_held_up_front_end_wedges_no_rank(wedge_server):
     """The wedge detector judges silence on what the front end has read: a front end stopped
     for longer than the wedge timeout (a busy host) finds the heartbeats its rank sent
     meanwhile waiting in the socket, and kills nobody."""
+    server = wedge_server
     server.wait_idle()
     wait_status(f"{server.url}/ready", 200, timeout=60)
     [rank] = server.rank_pids()
@@ -123,7 +132,7 @@ def test_a_held_up_front_end_wedges_no_rank(server):
     verdicts = server.log_text().count(": wedged")
     server.signal(signal.SIGSTOP)
     try:
-        time.sleep(MAIN_STALL_TIMEOUT)  # twice the wedge timeout; the rank heartbeats every second
+        time.sleep(WEDGE_STALL_TIMEOUT)  # twice the wedge timeout; the rank heartbeats every second
     finally:
         server.signal(signal.SIGCONT)
     time.sleep(1.0)  # a few rounds of the detector
