@@ -347,17 +347,19 @@ class AsyncEngineClient:
         """The wedge detector: a ready rank silent for wedge_timeout is killed (remote: dropped),
         and replaced like any dead rank. In a lockstep group, whose members all fall silent
         when one stops (they wait on it in a collective), only the longest-silent one."""
-        woke = time.monotonic()
+        woke, late = time.monotonic(), False
         while True:
             await asyncio.sleep(WATCH_SECONDS)
-            late, woke = time.monotonic() - woke - WATCH_SECONDS, time.monotonic()
+            # A late round judges nobody; never two in a row (a saturated loop still finds wedges).
+            late = not late and time.monotonic() - woke > 2 * WATCH_SECONDS
+            woke = time.monotonic()
             if not self._started or self._closed or self.dead_reason:
                 continue
             self._maybe_reform()
             now = time.monotonic()
             if self.reforming and self.reform_sent and now - self.reform_sent_at > REFORM_RESEND_SECONDS:
                 self._send_reform()
-            if late < WATCH_SECONDS and self._silent_ranks(now):
+            if not late and self._silent_ranks(now):
                 await asyncio.sleep(WATCH_SECONDS / 5)  # the readers go first
                 if self._closed or self.dead_reason:
                     continue

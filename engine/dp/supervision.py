@@ -61,5 +61,6 @@ def silent_ranks(last_seen: dict[int, float], ready: set[int], now: float, timeo
     """Ready ranks unheard for `timeout` at `now`, as (last heard, rank), longest-silent first.
     Silence is judged on what the front end has read: when it was held up itself (a busy host,
     a blocked event loop), what the ranks sent meanwhile still waits in its sockets, so the
-    detector skips a round that woke late and re-asks once its readers have run."""
+    detector skips a round that woke late (never two in a row) and re-asks once its readers
+    have run."""
     return sorted((last_seen[r], r) for r in ready if now - last_seen[r] > timeout)
