@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.dp.client import ClientState
-from engine.dp.supervision import CrashLoop
+from engine.dp.supervision import CrashLoop, silent_ranks
 from engine.messages import EngineCoreOutput, EngineOutputs, EngineRequest, RankReady
 from engine.sampling_params import SamplingParams
 
@@ -53,3 +53,11 @@ def test_a_dead_rank_gives_back_its_unstarted_requests_and_its_stale_outputs_are
     late, _ = state.handle(encode(EngineOutputs(1, [EngineCoreOutput("r3", 0, [9])], incarnation=11)))
     assert late == [] and not state.tracked["r3"].started
     assert state.pick_rank() == 0  # only live ranks take requests
+
+
+def test_silent_ranks_are_the_ready_ones_past_the_timeout_longest_silent_first():
+    last_seen = {0: 100.0, 1: 90.0, 2: 97.5, 3: 80.0}
+    # rank 3 is not ready (respawning): never judged; rank 2 is 2.5 s quiet, under the timeout
+    assert silent_ranks(last_seen, {0, 1, 2}, now=100.0, timeout=3.0) == [(90.0, 1)]
+    assert silent_ranks(last_seen, {0, 1, 2}, now=101.0, timeout=3.0) == [(90.0, 1), (97.5, 2)]
+    assert silent_ranks(last_seen, set(), now=200.0, timeout=3.0) == []
