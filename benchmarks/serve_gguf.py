@@ -14,8 +14,9 @@ concurrency (a fresh llama-server per level, as slots are fixed at start, idle w
 measured), -c = slots x --max-model-len, every request with "cache_prompt": false; kvsentry with
 `--threads`, prefix caching off, started once (its batch is not fixed at start) and idle while
 llama.cpp is measured. Levels alternate which server goes first (A B, B A, ...). With --rounds N
-each level measures both servers N times in A B B A order, fresh prompts each round, and its ratio is the median of kvsentry's rounds over the median of
-llama.cpp's: on a shared 2-core machine one round of each moves by 10-20%. Prompts are text:
+each level measures both servers N times in A B B A order, fresh prompts each round, and its
+ratio is the median of kvsentry's rounds over the median of llama.cpp's: on a shared 2-core
+machine one round of each moves by 10-20%. Prompts are text:
 consecutive words of Newton's Opticks (perplexity.py's text) from seeded offsets, fresh per level
 and round and the same for both servers, about --input-words words (~100 tokens); greedy,
 `ignore_eos`, --output-len new tokens, streamed. Each level is warmed up on prompts of its own first.
@@ -34,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,17 +63,11 @@ def round_order(level: int, rounds: int) -> list[str]:
     return [name for r in range(rounds) for name in (pair if r % 2 == 0 else pair[::-1])]
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def level_ratio(rows: list[dict], concurrency: int) -> dict:
     """kvsentry's median output tokens/s over llama.cpp's at one level, and each round's own ratio."""
     rates = {name: [r["output_tok_s"] for r in rows if r["server"] == name and r["concurrency"] == concurrency]
              for name in ("kvsentry", "llama.cpp")}
-    ours, theirs = median(rates["kvsentry"]), median(rates["llama.cpp"])
+    ours, theirs = statistics.median(rates["kvsentry"]), statistics.median(rates["llama.cpp"])
     return {"concurrency": concurrency, "output_tok_s": round(ours / theirs, 3) if theirs else None,
             "rounds": [round(a / b, 3) if b else None for a, b in zip(rates["kvsentry"], rates["llama.cpp"])]}
 
@@ -255,7 +251,8 @@ def main() -> int:
             seed = args.seed * 1_000_003 + concurrency
             warmup = text_prompts(concurrency, args.input_words, ~seed)
             order = round_order(index, args.rounds)
-            with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args, args.llama_no_amx) as llama:
+            with LlamaCppServer(gguf, args.threads, concurrency, args.max_model_len, args.llama_args,
+                                args.llama_no_amx) as llama:
                 asyncio.run(run_level(llama.url, warmup, concurrency, WARMUP_TOKENS, True))
                 asyncio.run(run_level(kv.url, warmup, concurrency, WARMUP_TOKENS, False))
                 for turn, name in enumerate(order):
