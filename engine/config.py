@@ -32,7 +32,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # the order requests are admitted an
 # How a GGUF checkpoint's quantized linears multiply on CPU (engine/models/int8_linear.py): "int8"
 # quantizes the activations per block of 32 and multiplies with the weights' own blocks, "none"
 # keeps the exact dequantized weights, "auto" is "int8" where the CPU has AVX512-VNNI or AVX-VNNI, but
-# for Q4_1 and Q8_0 where bf16 runs on AMX tiles.
+# for Q4_1 and Q8_0 where bf16 runs on AMX tiles and every layer is of those types.
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "none")
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len when none is given: the model's limit, at most this
 
@@ -258,7 +258,8 @@ class EngineConfig:
     dtype_reason: str = ""  # why model.dtype: "asked for", or what --dtype auto saw (engine/placement.py)
     # "auto": int8 where its kernel runs (AVX512-VNNI or AVX-VNNI), as llama.cpp multiplies, within the
     # perplexity bound (+0.33% float32, +0.42% bf16 on the default model); the exact Q4_1 / Q8_0
-    # weights where bf16 runs on AMX tiles, faster than int8 from 16 rows up (int8_linear.int8_formats).
+    # weights where bf16 runs on AMX tiles and the layers are those types, faster than int8 from 16 rows up
+    # (int8_linear.int8_formats).
     quantized_activations: str = "auto"  # one of QUANTIZED_ACTIVATIONS
 
     @property

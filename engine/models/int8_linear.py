@@ -36,21 +36,35 @@ def bf16_tiles_run(dtype: torch.dtype) -> bool:
             and "amx" in registry.op("bf16_gemm_kernels")())
 
 
-def int8_formats(setting: str, device: str, dtype: torch.dtype = torch.float32) -> frozenset[int]:
+def int8_formats(setting: str, device: str, dtype: torch.dtype = torch.float32,
+                 layer_types: frozenset[int] = frozenset()) -> frozenset[int]:
     """The GGML types whose linears take this path, for --quantized-activations `setting` on
-    `device` in `dtype`. "auto": all of them where the kernel runs, except, where the exact path's
-    bf16 linears run on AMX tiles, the types those tiles multiply from their blocks (Q4_1, Q8_0:
-    PANEL_TYPES): there the exact weights beat int8 from 16 rows up (per-block scaling bounds the
-    int8 tiles, docs/kernels.md) at a third of bf16's bytes. The other types (Q4_0, Q5_0, the
+    `device` in `dtype`; `layer_types`: the types of the file's decoder-layer matrices. "auto": all
+    of them where the kernel runs, except, where the exact path's bf16 linears run on AMX tiles
+    and every layer is of a type those tiles multiply from its blocks (Q4_1, Q8_0: PANEL_TYPES):
+    there the exact weights beat int8 from 16 rows up (per-block scaling bounds the int8 tiles,
+    docs/kernels.md) at a third of bf16's bytes. Layers of another type (Q4_0, Q5_0, the
     K-quants) would run there on dense bf16, 3-4x the file's bytes and half int8's speed at one
-    request, so they take int8."""
+    request, so they take int8, and the LM head and embedding take it with them whatever their
+    own type (a Q4_0 file's Q8_0 head): one path for the model, and a head multiplies one row
+    per sequence, where int8 is the faster (SmolLM2's Q8_0 head on an AMX Xeon: 1.3 ms a call
+    against 2.4 at 1-4 rows, 7.6 against 8.2 at 64, 18.6 against 15.8 at 128)."""
     if device != "cpu" or setting == "none":
         return frozenset()
     if setting == "int8":
         return INT8_TYPES
     if not kernel_runs():
         return frozenset()
-    return INT8_TYPES - PANEL_TYPES if bf16_tiles_run(dtype) else INT8_TYPES
+    if bf16_tiles_run(dtype) and not layer_types & (INT8_TYPES - PANEL_TYPES):
+        return INT8_TYPES - PANEL_TYPES
+    return INT8_TYPES
+
+
+def layer_matrix_types(tensors: dict) -> frozenset[int]:
+    """The GGML types of a GGUF file's decoder-layer matrices (`blk.N.*`, 2-D), from its tensor
+    infos (engine/gguf/reader.py): what `int8_formats` decides on."""
+    return frozenset(info.ggml_type for name, info in tensors.items()
+                     if name.startswith("blk.") and len(info.shape) == 2)
 
 
 def takes(rows: QuantRows | Sequence[QuantRows] | None, out_features: int, in_features: int) -> bool:

@@ -21,7 +21,7 @@ from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.weights import QuantRows, gguf_weights
 from engine.memory.host_memory import release_freed_memory
 from engine.models.block_embedding import BlockEmbedding
-from engine.models.int8_linear import int8_formats
+from engine.models.int8_linear import int8_formats, layer_matrix_types
 from engine.models.layers import Linear
 from engine.models.registry import build_model
 
@@ -75,7 +75,8 @@ def _build_and_fill(config: EngineConfig) -> tuple[nn.Module, int]:
         model = build_model(config)
     quantized: dict[str, QuantRows] = {}
     # The GGUF linears multiply with int8 activations (engine/models/int8_linear.py).
-    formats = (int8_formats(config.quantized_activations, config.device, config.model.dtype)
+    formats = (int8_formats(config.quantized_activations, config.device, config.model.dtype,
+                            layer_matrix_types(read_gguf(path).tensors))
                if is_gguf_path(path) else frozenset())
     int8 = bool(formats)
     linears = blocks_only_weights(model) if int8 else frozenset()

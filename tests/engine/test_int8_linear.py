@@ -141,26 +141,45 @@ def test_auto_follows_the_kernel(monkeypatch):
     assert not int8_linear.int8_formats("auto", "cpu")
     monkeypatch.setattr(int8_linear, "kernel_runs", lambda: True)
     assert int8_linear.int8_formats("auto", "cpu") == int8_linear.INT8_TYPES
-    # Where bf16 runs on AMX tiles, Q4_1 and Q8_0 keep the exact weights (the tiles multiply from
-    # their blocks, faster from 16 rows up); Q4_0, Q5_0 and the K-quants still take int8.
+    # Where bf16 runs on AMX tiles, a file whose layers are all Q4_1 or Q8_0 keeps the exact
+    # weights for those types (the tiles multiply from their blocks, faster from 16 rows up);
+    # layers of any other type take int8, and the Q4_1 / Q8_0 head and embedding with them.
     monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
-    assert int8_linear.int8_formats("auto", "cpu", torch.bfloat16) == {Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
-    assert int8_linear.int8_formats("auto", "cpu", torch.float32) == int8_linear.INT8_TYPES
-    assert int8_linear.int8_formats("int8", "cpu", torch.bfloat16) == int8_linear.INT8_TYPES
+    for layers in ({Q.Q4_1}, {Q.Q8_0}, {Q.Q4_1, Q.Q8_0}, frozenset()):
+        assert int8_linear.int8_formats("auto", "cpu", torch.bfloat16, frozenset(layers)) == {
+            Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
+    for layers in ({Q.Q4_0}, {Q.Q4_K, Q.Q6_K}, {Q.Q4_1, Q.Q5_0}):
+        assert int8_linear.int8_formats("auto", "cpu", torch.bfloat16, frozenset(layers)) == int8_linear.INT8_TYPES
+    assert int8_linear.int8_formats("auto", "cpu", torch.float32, frozenset({Q.Q4_1})) == int8_linear.INT8_TYPES
+    assert int8_linear.int8_formats("int8", "cpu", torch.bfloat16, frozenset({Q.Q4_1})) == int8_linear.INT8_TYPES
 
 
-def test_auto_beside_bf16_tiles_splits_by_format(q4_0_file, monkeypatch):
-    """Where bf16 runs on AMX tiles, auto multiplies the Q4_0 linears with int8 activations and
-    leaves the Q8_0 LM head and embedding on the exact weights: each linear's own path, and the
-    exact ones dense (dequantized), not shape-only."""
+def test_auto_beside_bf16_tiles_takes_one_path_for_the_model(q4_0_file, tmp_path, monkeypatch):
+    """Where bf16 runs on AMX tiles, auto decides by the layers' type. Q4_0 layers take int8
+    activations, and the Q8_0 LM head and embedding take it with them (the head on its blocks,
+    the embedding gathering from them). Q4_1 layers keep the exact weights on the tiles, and so
+    do the Q8_0 head and the embedding (dense, dequantized)."""
     if not int8_linear.kernel_runs():
         pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: auto takes no int8")
+    from engine.models.block_embedding import BlockEmbedding
     monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
     llm = _llm(q4_0_file, quantized_activations="auto", dtype="bfloat16")
     model = llm.engine.runner.model
     paths = linear_paths(model)
     assert paths["linear.qkv"].startswith("int8_gemm(") and paths["linear.qkv"].endswith("on q4_0 blocks")
-    assert "int8" not in paths["linear.lm_head"]
+    assert paths["linear.lm_head"].startswith("int8_gemm(") and paths["linear.lm_head"].endswith("on q8_0 blocks")
+    assert isinstance(model.model.embed_tokens, BlockEmbedding) and model.model.embed_tokens.ggml_type == Q.Q8_0
+    out = llm.generate(PROMPTS, PARAMS)
+    llm.close()
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in out)
+
+    directory = q4_0_file[1]
+    q4_1 = write_gguf(directory, tmp_path / "q4_1.gguf",
+                      qtype=lambda name, t: Q.Q8_0 if name.startswith(("token_embd", "output.")) else Q.Q4_1)
+    llm = _llm((str(q4_1), directory), quantized_activations="auto", dtype="bfloat16")
+    model = llm.engine.runner.model
+    paths = linear_paths(model)
+    assert not any("int8" in path for path in paths.values()), paths
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
     assert model.model.embed_tokens.weight.untyped_storage().nbytes() == model.model.embed_tokens.weight.numel() * 2
     out = llm.generate(PROMPTS, PARAMS)
