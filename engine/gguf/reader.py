@@ -51,6 +51,12 @@ class GGUFFile:
         """`{architecture}.{key}`, e.g. arch_get("block_count")."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
+    def layer_matrix_types(self) -> frozenset[int]:
+        """The GGML types of the decoder layers' matrices (`blk.N.*`, 2-D): what --quantized-activations
+        auto decides on (engine/models/int8_linear.py)."""
+        return frozenset(info.ggml_type for name, info in self.tensors.items()
+                         if name.startswith("blk.") and len(info.shape) == 2)
+
     def raw_bytes(self, info: TensorInfo, num_bytes: int) -> np.ndarray:
         """The tensor's `num_bytes` bytes, memory-mapped read-only (nothing is copied)."""
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(num_bytes,))

@@ -39,7 +39,8 @@ def bf16_tiles_run(dtype: torch.dtype) -> bool:
 def int8_formats(setting: str, device: str, dtype: torch.dtype = torch.float32,
                  layer_types: frozenset[int] = frozenset()) -> frozenset[int]:
     """The GGML types whose linears take this path, for --quantized-activations `setting` on
-    `device` in `dtype`; `layer_types`: the types of the file's decoder-layer matrices. "auto": all
+    `device` in `dtype`; `layer_types`: the types of the file's decoder-layer matrices
+    (GGUFFile.layer_matrix_types). "auto": all
     of them where the kernel runs, except, where the exact path's bf16 linears run on AMX tiles
     and every layer is of a type those tiles multiply from its blocks (Q4_1, Q8_0: PANEL_TYPES):
     there the exact weights beat int8 from 16 rows up (per-block scaling bounds the int8 tiles,
@@ -58,13 +59,6 @@ def int8_formats(setting: str, device: str, dtype: torch.dtype = torch.float32,
     if bf16_tiles_run(dtype) and not layer_types & (INT8_TYPES - PANEL_TYPES):
         return INT8_TYPES - PANEL_TYPES
     return INT8_TYPES
-
-
-def layer_matrix_types(tensors: dict) -> frozenset[int]:
-    """The GGML types of a GGUF file's decoder-layer matrices (`blk.N.*`, 2-D), from its tensor
-    infos (engine/gguf/reader.py): what `int8_formats` decides on."""
-    return frozenset(info.ggml_type for name, info in tensors.items()
-                     if name.startswith("blk.") and len(info.shape) == 2)
 
 
 def takes(rows: QuantRows | Sequence[QuantRows] | None, out_features: int, in_features: int) -> bool:

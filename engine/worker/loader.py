@@ -21,7 +21,7 @@ from engine.gguf.reader import is_gguf_path, read_gguf
 from engine.gguf.weights import QuantRows, gguf_weights
 from engine.memory.host_memory import release_freed_memory
 from engine.models.block_embedding import BlockEmbedding
-from engine.models.int8_linear import int8_formats, layer_matrix_types
+from engine.models.int8_linear import int8_formats
 from engine.models.layers import Linear
 from engine.models.registry import build_model
 
@@ -74,17 +74,18 @@ def _build_and_fill(config: EngineConfig) -> tuple[nn.Module, int]:
     with torch.device(config.device), uninitialized_parameters():
         model = build_model(config)
     quantized: dict[str, QuantRows] = {}
+    gguf = read_gguf(path) if is_gguf_path(path) else None
     # The GGUF linears multiply with int8 activations (engine/models/int8_linear.py).
     formats = (int8_formats(config.quantized_activations, config.device, config.model.dtype,
-                            layer_matrix_types(read_gguf(path).tensors))
-               if is_gguf_path(path) else frozenset())
+                            gguf.layer_matrix_types())
+               if gguf is not None else frozenset())
     int8 = bool(formats)
     linears = blocks_only_weights(model) if int8 else frozenset()
-    if is_gguf_path(path):
+    if gguf is not None:
         # One bar per machine is enough: DP rank 0 draws it, on a terminal only.
         progress = sys.stderr.isatty() and config.parallel.data_parallel_rank == 0
         keep = quantized if config.device == "cpu" and (int8 or not envs.disable_quant_panels()) else None
-        weights = gguf_weights(read_gguf(path), config.model.hf_config, model.wants_weight, progress, keep,
+        weights = gguf_weights(gguf, config.model.hf_config, model.wants_weight, progress, keep,
                                lambda name, ggml_type: name in linears and ggml_type in formats)
     else:
         weights = safetensors_weights(path, model)

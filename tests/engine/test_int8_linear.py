@@ -161,7 +161,9 @@ def test_auto_beside_bf16_tiles_takes_one_path_for_the_model(q4_0_file, tmp_path
     do the Q8_0 head and the embedding (dense, dequantized)."""
     if not int8_linear.kernel_runs():
         pytest.skip("no VNNI (AVX512-VNNI nor AVX-VNNI) here: auto takes no int8")
+    from engine.gguf.reader import read_gguf
     from engine.models.block_embedding import BlockEmbedding
+    assert read_gguf(q4_0_file[0]).layer_matrix_types() == {Q.Q4_0}  # the head and embedding are Q8_0
     monkeypatch.setattr(int8_linear, "bf16_tiles_run", lambda dtype: dtype == torch.bfloat16)
     llm = _llm(q4_0_file, quantized_activations="auto", dtype="bfloat16")
     model = llm.engine.runner.model
