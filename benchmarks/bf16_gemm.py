@@ -14,6 +14,8 @@ sums (only the summation order may differ).
 
 --quant: the weights are GGUF Q4_1 blocks (gguf's reference quantizer), the panels those blocks
 (csrc/cpu/cpu_quant_panels.h) and oneDNN the dequantized bf16 weight; GB/s counts the blocks' bytes.
+On AMX CPUs with AVX512-VBMI also "amx_rows": the AMX tiles on the same blocks in the rows layout
+(quant_rows_pack), which the engine packs there.
 Needs a CPU with AVX-512F.
 """
 from __future__ import annotations
@@ -32,20 +34,24 @@ from engine.ops import registry  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 
 
-def quantized(weights: list[list[torch.Tensor]]) -> tuple[list, list]:
-    """Each weight as Q4_1 blocks: (the dequantized bf16 weights, the blocks as panels)."""
+def quantized(weights: list[list[torch.Tensor]]) -> tuple[list, list, list | None]:
+    """Each weight as Q4_1 blocks: (the dequantized bf16 weights, the blocks as panels, the blocks
+    in the rows layout where the CPU runs it, else None)."""
     import gguf
     import numpy as np
     q4_1 = gguf.GGMLQuantizationType.Q4_1
-    dense, blocks = [], []
+    rows_here = bool(registry.op("quant_rows_supported")())
+    dense, blocks, rows = [], [], []
     for layer in weights:
-        dense.append([]), blocks.append([])
+        dense.append([]), blocks.append([]), rows.append([])
         for w in layer:
-            raw = np.ascontiguousarray(gguf.quantize(w.float().numpy(), q4_1))
-            values = np.array(gguf.dequantize(raw, q4_1), dtype=np.float32).reshape(w.shape)
+            raw = torch.from_numpy(np.ascontiguousarray(gguf.quantize(w.float().numpy(), q4_1)))
+            values = np.array(gguf.dequantize(raw.numpy(), q4_1), dtype=np.float32).reshape(w.shape)
             dense[-1].append(torch.from_numpy(values).bfloat16())
-            blocks[-1].append(registry.op("quant_panels_pack")(torch.from_numpy(raw), int(q4_1), w.shape[1]))
-    return dense, blocks
+            blocks[-1].append(registry.op("quant_panels_pack")(raw, int(q4_1), w.shape[1]))
+            if rows_here:
+                rows[-1].append(registry.op("quant_rows_pack")(raw, int(q4_1), w.shape[1]))
+    return dense, blocks, rows if rows_here else None
 
 
 def main() -> int:
@@ -66,11 +72,14 @@ def main() -> int:
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
     panels = [[registry.op("bf16_gemm_pack")(w) for w in layer] for layer in weights]
     weight_bytes = sum(o * i for o, i in SHAPES) * 2 * args.layers
+    rows_layout = None
     if args.quant:
-        weights, panels = quantized(weights)
+        weights, panels, rows_layout = quantized(weights)
         onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights]
         weight_bytes = sum(p.numel() for layer in panels for p in layer)
     kernels = list(registry.op("bf16_gemm_kernels")())
+    if rows_layout is not None:
+        kernels.insert(0, "amx_rows")  # the AMX tiles on the rows layout (what the engine packs here)
     print(f"{args.layers} layers x {SHAPES}, {weight_bytes / 1e6:.0f} MB of {'Q4_1' if args.quant else 'bf16'} weights, {args.threads} thread(s), "
           f"panel kernels here: {', '.join(kernels)}")
     header = f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'GFLOP/s':>8}"
@@ -86,6 +95,9 @@ def main() -> int:
                     for layer in onednn for w, x in zip(layer, xs)]
 
         def run_panels(kernel):
+            if kernel == "amx_rows":
+                return [debug.bf16_gemm_with(x, p, None, o, "amx")
+                        for layer in rows_layout for p, x, (o, _) in zip(layer, xs, SHAPES)]
             return [debug.bf16_gemm_with(x, p, None, o, kernel)
                     for layer in panels for p, x, (o, _) in zip(layer, xs, SHAPES)]
 

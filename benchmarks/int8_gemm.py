@@ -41,6 +41,7 @@ from results import write_result
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.memory.host_memory import keep_freed_memory  # noqa: E402
 from engine.memory.huge_pages import to_huge_pages  # noqa: E402
+from engine.models.cpu_gemm import rows_layout  # noqa: E402
 from engine.ops import registry  # noqa: E402
 
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14  # GGML type ids
@@ -99,7 +100,10 @@ def measure(model: str, rows: list[int], threads: list[int], debug, tile_peak: f
     # Both packings on huge pages, as the engine holds them (int8_linear.py, cpu_gemm.py).
     int8 = [[to_huge_pages(registry.op("int8_gemm_pack")(raw, qtype, s[1])) for raw, s in zip(layer, shapes)]
             for layer in raws]
-    bf16 = [[to_huge_pages(registry.op("quant_panels_pack")(raw, qtype, s[1])) for raw, s in zip(layer, shapes)]
+    # The bf16 side in the layout the engine packs (cpu_gemm.rows_layout: Q4_1 on AMX CPUs with
+    # AVX512-VBMI takes the rows layout, the same bits as the panels).
+    bf16_pack = "quant_rows_pack" if rows_layout(torch.bfloat16, qtype) else "quant_panels_pack"
+    bf16 = [[to_huge_pages(registry.op(bf16_pack)(raw, qtype, s[1])) for raw, s in zip(layer, shapes)]
             for layer in raws] if qtype in BF16_FORMATS and registry.available("bf16_gemm", "cpu") else None
     del raws
     gemm8, gemm16 = registry.op("int8_gemm"), registry.op("bf16_gemm")

@@ -36,6 +36,8 @@ VARIABLES = (
            "(no second, panel copy for decode-sized steps)"),
     EnvVar("KVSENTRY_DISABLE_QUANT_PANELS", "=1: a GGUF checkpoint's Q4_1/Q8_0 linears run from bf16 or float32 "
            "panels instead of their own blocks (engine/models/cpu_gemm.py)"),
+    EnvVar("KVSENTRY_DISABLE_QUANT_ROWS", "=1: on AMX CPUs, Q4_1 blocks keep the panel layout instead of the rows "
+           "layout (csrc/cpu/cpu_quant_panels.h; the same bits)"),
     EnvVar("KVSENTRY_DISABLE_PREFILL_TILES", "=1: prefill attention skips the tiled prefill kernel (AMX or "
            "AVX-512F tiles; the decode kernel's rows or SDPA instead)"),
     EnvVar("KVSENTRY_DISABLE_HUGE_PAGES", "=1: packed CPU weights and the CPU KV cache on torch's allocator, "
@@ -78,6 +80,10 @@ def disable_f32_panels() -> bool:
 
 def disable_quant_panels() -> bool:
     return _flag("KVSENTRY_DISABLE_QUANT_PANELS")
+
+
+def disable_quant_rows() -> bool:
+    return _flag("KVSENTRY_DISABLE_QUANT_ROWS")
 
 
 def disable_huge_pages() -> bool:

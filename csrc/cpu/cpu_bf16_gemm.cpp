@@ -8,7 +8,9 @@
 //   y = torch.ops.kvsentry.bf16_gemm(x, packed, bias, N)        x [M, K] bf16 (rows contiguous)
 //            -> [M, N] bf16: x @ weight^T (+ bias), products summed in float32, rounded once;
 //            `packed` may also be quant_panels_pack's GGUF blocks (cpu_quant_panels.h), each
-//            block dequantized into L1 right before its tiles: the same results, bit for bit
+//            block dequantized into L1 right before its tiles: the same results, bit for bit;
+//            or, for the "amx" kernel, quant_rows_pack's Q4_1 blocks in the rows layout (the
+//            weight as the tiles' A operand, looked up per output and block): the same bits again
 //   y = torch.ops.kvsentry_debug.bf16_gemm_with(x, packed, bias, N, kernel)   one kernel by name
 //            (the test build only: engine/ops/library.py, debug=True)
 //   torch.ops.kvsentry.bf16_gemm_supported() -> bool            built with it and the CPU has it
@@ -62,6 +64,7 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_bf16_amx.h"
 #include "cpu_f32_gemm.h"
 #include "cpu_panel_gemm.h"
 #include "cpu_prefetch.h"
@@ -79,8 +82,11 @@ using at::Tensor;
 constexpr const char* kOp = "kvsentry::bf16_gemm";
 using kvsentry_panels::kPanel;
 using kvsentry_panels::kRows;
-constexpr int64_t kDepth = 16;  // pairs of K per AMX tile (and the packing's K granule)
-constexpr int64_t kTileRows = 16;  // rows of x per AMX A tile
+using kvsentry_bf16_amx::kAheadPasses;
+using kvsentry_bf16_amx::kAmxRowChunk;
+using kvsentry_bf16_amx::kChunkBlocks;
+using kvsentry_bf16_amx::kDepth;
+using kvsentry_bf16_amx::kTileRows;
 
 int64_t padded_pairs(int64_t k) { return (k + 2 * kDepth - 1) / (2 * kDepth) * kDepth; }
 
@@ -205,15 +211,6 @@ TileConfig tile_config(int64_t rows) { return TileConfig({rows, rows, rows, rows
 constexpr int64_t kOutBytes = kPanel * 4;       // bytes per acc row: one panel's float32 outputs
 constexpr int64_t kPairBytes = 2 * kPanel * 2;  // bytes per pair of K in a panel
 constexpr int64_t kBlockBytes = kDepth * kPairBytes;
-constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for more than 16 rows
-// Passes over a chunk after the first (which streams it from memory; the others read it from
-// L1) from which those later passes also bring the next chunk into L2: 3, i.e. 49-64 rows.
-// There the prefetches spread thin enough (~21 lines a block) to run beside the tiles: the
-// default model's 30 layers at 64 rows 23.9 -> 21.0 ms, its decode step at batch 64 69.1-71.2
-// -> 65.1-66.4 ms (1-core Xeon, weights on huge pages, alternating). With one or two later
-// passes (17-48 rows) the same prefetches measured no faster.
-constexpr int64_t kAheadPasses = 3;
-constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
 
 // Where amx_rows' blocks come from for a GGUF-quantized panel: each block of b0..b1 is
 // dequantized into L1 right before its products, so the tiles' work on one block overlaps the
@@ -395,10 +392,15 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
               ": x must be a CPU bfloat16 [M, K] tensor");
   // The packed weight: bf16_gemm_pack's bf16 panels, or quant_panels_pack's GGUF blocks.
   const bool quant = packed.scalar_type() == at::kByte;
-  TORCH_CHECK(quant ? packed.dim() == 3 && kvsentry_quant::type_of(packed.size(2)) >= 0 && packed.is_contiguous()
-                    : packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kPanel &&
-                          packed.size(3) == 2 && packed.is_contiguous(),
-              kOp, ": packed must come from bf16_gemm_pack or quant_panels_pack");
+  // quant_rows_pack's rows layout: [panels, blocks, 80, 16] uint8, AMX only.
+  const bool rows = quant && packed.dim() == 4 && packed.is_contiguous() &&
+                    packed.size(2) * packed.size(3) == kvsentry_quant::kRowsBlockBytes &&
+                    packed.size(3) == kvsentry_quant::kRowsQuantBytes;
+  TORCH_CHECK(!rows || kernel == Kernel::kAmx, kOp, ": the rows layout (quant_rows_pack) runs on the amx kernel only");
+  TORCH_CHECK(rows || (quant ? packed.dim() == 3 && kvsentry_quant::type_of(packed.size(2)) >= 0 && packed.is_contiguous()
+                             : packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kPanel &&
+                                   packed.size(3) == 2 && packed.is_contiguous()),
+              kOp, ": packed must come from bf16_gemm_pack, quant_panels_pack or quant_rows_pack");
   const int64_t m = x_in.size(0), k = x_in.size(1), panels = packed.size(0);
   const int64_t pairs = quant ? packed.size(1) * kDepth : packed.size(1);
   TORCH_CHECK(pairs == padded_pairs(k) && n > (panels - 1) * kPanel && n <= panels * kPanel, kOp, ": x [", m, ", ",
@@ -422,11 +424,19 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xh);
   const int64_t xs = x.stride(0) / 2;
   const uint16_t* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  const auto qp = quant ? kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2))
-                        : kvsentry_quant::Panels{};
+  const auto qp = quant && !rows ? kvsentry_quant::Panels::of(packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2))
+                                 : kvsentry_quant::Panels{};
   const kvsentry_quant::Panels* q = quant ? &qp : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (rows) {
+    TORCH_CHECK(kvsentry_quant::rows_supported(), kOp, ": the rows layout needs AVX512-VBMI, which this CPU lacks");
+    const int64_t blocks = packed.size(1);
+    const kvsentry_quant::Panels layout{packed.data_ptr<uint8_t>(), kvsentry_quant::kQ4_1, blocks,
+                                        blocks * kvsentry_quant::kRowsBlockBytes};
+    kvsentry_bf16_amx::amx_gemm_rows(xh, x.stride(0), panels, pairs, bp, yp, m, n, layout);
+    return y;
+  }
   if (kernel == Kernel::kAmx) {
     amx_gemm(xh, x.stride(0), wp, panels, pairs, bp, yp, m, n, q);
     return y;

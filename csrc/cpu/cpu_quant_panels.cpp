@@ -7,6 +7,10 @@
 //   w = torch.ops.kvsentry.quant_panels_unpack(packed, N, dtype)  -> [N, K] bf16 or float32,
 //            through the GEMMs' own dequantizing code: what they multiply by
 //   torch.ops.kvsentry.quant_panels_supported(dtype) -> bool  the GEMM of that dtype takes them
+//   packed = torch.ops.kvsentry.quant_rows_pack(raw, type, k)
+//            Q4_1 rows -> [ceil(N / 64), K / 32, 80, 16] uint8: the rows layout (cpu_quant_panels.h),
+//            which bf16_gemm's AMX kernel takes in place of the panels (quant_panels_unpack too)
+//   torch.ops.kvsentry.quant_rows_supported() -> bool  this CPU runs that kernel on them
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_amx.h"
 #include "cpu_quant_panels.h"
 
 namespace {
@@ -70,6 +75,55 @@ Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
   return packed;
 }
 
+// One Q4_1 GGUF block (a row's 32 K) into output `o` of a rows-layout block `dst`.
+void place_row(const uint8_t* src, int64_t o, uint8_t* dst) {
+  std::memcpy(dst + 2 * o, src, 2);                // the scale
+  std::memcpy(dst + kScales + 2 * o, src + 2, 2);  // the minimum
+  uint8_t* q = dst + 2 * kScales + kRowsQuantBytes * o;
+  for (int64_t k = 0; k < kBlockK; ++k) {
+    const uint8_t v = k < 16 ? src[4 + k] & 0x0F : src[4 + k - 16] >> 4;
+    int64_t byte;
+    int shift;
+    rows_nibble(k, byte, shift);
+    q[byte] = static_cast<uint8_t>(q[byte] | v << shift);
+  }
+}
+
+// The rows layout's kernel runs here: bf16_gemm's AMX tiles, and the lookups.
+bool rows_op_supported() {
+#if defined(__AVX512F__)
+  return kvsentry_amx::supported() && rows_supported();
+#else
+  return false;
+#endif
+}
+
+Tensor pack_rows(const Tensor& raw_in, int64_t type, int64_t k) {
+  TORCH_CHECK(type == kQ4_1, kOp, "_rows_pack: GGML type ", type, " has no rows layout (Q4_1 = 3 has)");
+  TORCH_CHECK(k > 0 && k % kBlockK == 0, kOp, "_rows_pack: K = ", k, " is not whole blocks of 32");
+  const int64_t blocks = k / kBlockK, gguf_bytes = gguf_block_bytes(type);
+  TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte && raw_in.device().is_cpu() &&
+                  raw_in.size(1) == blocks * gguf_bytes,
+              kOp, "_rows_pack: raw must be CPU uint8 [N, ", blocks * gguf_bytes, "], got ", raw_in.sizes());
+  const Tensor raw = raw_in.contiguous();
+  const int64_t n = raw.size(0), panels = (n + kOutputs - 1) / kOutputs;
+  // Padding outputs: scale 0, minimum 0, quants 0 (their values 0, never stored).
+  Tensor packed = at::zeros({panels, blocks, kRowsBlockBytes / kRowsQuantBytes, kRowsQuantBytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t o = 0; o < kOutputs && panel * kOutputs + o < n; ++o) {
+        const uint8_t* row = src + (panel * kOutputs + o) * blocks * gguf_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          place_row(row + b * gguf_bytes, o, dst + (panel * blocks + b) * kRowsBlockBytes);
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 bool supported(at::ScalarType dtype) {
 #if defined(__AVX512F__)
   // bf16 without AVX512-BF16: bf16_gemm's "avx512f" kernel, through the float32 GEMM.
@@ -79,7 +133,33 @@ bool supported(at::ScalarType dtype) {
   return false;
 }
 
+// The rows layout back, through the GEMM's own lookups: bf16 [n, K].
+Tensor unpack_rows(const Tensor& packed, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kBFloat16 && rows_op_supported(), kOp, "_unpack: the rows layout is bf16 on AMX CPUs with "
+              "AVX512-VBMI only");
+  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlockK;
+  TORCH_CHECK(n > (panels - 1) * kOutputs && n <= panels * kOutputs, kOp, "_unpack: N = ", n, " does not fit ",
+              panels, " panels");
+  Tensor out = at::empty({n, k}, packed.options().dtype(dtype));
+#if defined(__AVX512F__)
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  alignas(64) uint16_t rows[kOutputs * kBlockK];
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t width = std::min(kOutputs, n - p * kOutputs);
+    for (int64_t b = 0; b < blocks; ++b) {
+      dequant_rows(packed.data_ptr<uint8_t>() + (p * blocks + b) * kRowsBlockBytes, rows);
+      for (int64_t r = 0; r < width; ++r) std::memcpy(o + (p * kOutputs + r) * k + b * kBlockK, rows + r * kBlockK, 64);
+    }
+  }
+#endif
+  return out;
+}
+
 Tensor unpack(const Tensor& packed, int64_t n, at::ScalarType dtype) {
+  if (packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+      packed.size(2) * packed.size(3) == kRowsBlockBytes && packed.size(3) == kRowsQuantBytes) {
+    return unpack_rows(packed, n, dtype);
+  }
   TORCH_CHECK(supported(dtype), kOp, "_unpack: no ", dtype, " panels on this CPU (or build)");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   type_of(packed.size(2)) >= 0,
@@ -126,9 +206,12 @@ TORCH_LIBRARY_FRAGMENT(kvsentry, m) {
   m.def("quant_panels_pack(Tensor raw, int type, int k) -> Tensor");
   m.def("quant_panels_unpack(Tensor packed, int n, ScalarType dtype) -> Tensor");
   m.def("quant_panels_supported(ScalarType dtype) -> bool", &supported);
+  m.def("quant_rows_pack(Tensor raw, int type, int k) -> Tensor");
+  m.def("quant_rows_supported() -> bool", &rows_op_supported);
 }
 
 TORCH_LIBRARY_IMPL(kvsentry, CPU, m) {
   m.impl("quant_panels_pack", &pack);
   m.impl("quant_panels_unpack", &unpack);
+  m.impl("quant_rows_pack", &pack_rows);
 }

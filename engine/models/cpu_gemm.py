@@ -44,6 +44,12 @@ tile of up to 6 rows dequantizes each block into L1 right before its multiply-ad
 instead of 40.4 ms at 4 rows, 14.9 instead of 39.7 ms at 8 (up to 32 rows, each block once for
 all the row tiles).
 
+On AMX CPUs (which all have AVX512-VBMI) a bf16 linear's Q4_1 blocks take the rows layout instead
+(rows_layout; csrc/cpu/cpu_quant_panels.h): the weight as the tiles' A operand, each output's block
+looked up from its 16 values, ~5 vector instructions per 32 weights where the panel layout takes ~9.
+The same bits; the default model's 30 layers 7.99 instead of 10.15 ms at 1 row, 9.61 instead of
+11.03 at 8, 23.6 instead of 26.7 at 64 (docs/kernels.md).
+
 On CPUs with AVX512-BF16 but no AMX, a bf16 GGUF linear keeps its dense bf16 panels beside
 the blocks instead of oneDNN's copy (the same bytes): the blocks run steps of up to
 QUANT_ROWS_BESIDE_DENSE rows, where the weight's bytes decide, and the dense panels every larger
@@ -160,6 +166,18 @@ def onednn_supports(weight: torch.Tensor) -> bool:
     return True
 
 
+def rows_layout(dtype: torch.dtype, ggml_type: int) -> bool:
+    """Whether GGUF blocks of `ggml_type` pack into the rows layout (csrc/cpu/cpu_quant_panels.h's
+    quant_rows_pack) for a linear of `dtype`: Q4_1 in bf16 where bf16_gemm runs on AMX tiles and
+    the CPU has AVX512-VBMI. The tiles then take the weight as their A operand, each output's
+    block looked up from its 16 values: the panels' bits, at ~1.3x their speed on a decode step
+    of a few rows, where dequantizing bounds it (docs/kernels.md)."""
+    return (dtype == torch.bfloat16 and _GGML_NAMES.get(ggml_type) == "q4_1" and not envs.disable_quant_rows()
+            and registry.has("quant_rows_pack")
+            and bool(registry.op("quant_rows_supported")()) and "amx_bf16" in cpu_ops.cpu_flags()
+            and "amx" in registry.op("bf16_gemm_kernels")())
+
+
 def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor | None:
     """The GGUF blocks `weight` was dequantized from, packed for the panel GEMMs
     (csrc/cpu/cpu_quant_panels.h), where this CPU's GEMM of the weight's dtype takes them and they
@@ -170,7 +188,8 @@ def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor |
         return None
     if not registry.has("quant_panels_pack") or not registry.op("quant_panels_supported")(weight.dtype):
         return None
-    packed = registry.op("quant_panels_pack")(rows.data, rows.ggml_type, rows.k)
+    pack = "quant_rows_pack" if rows_layout(weight.dtype, rows.ggml_type) else "quant_panels_pack"
+    packed = registry.op(pack)(rows.data, rows.ggml_type, rows.k)
     if not torch.equal(registry.op("quant_panels_unpack")(packed, weight.shape[0], weight.dtype), weight):
         log.warning("GGUF blocks of a %s weight do not dequantize to it; using its %s panels",
                     list(weight.shape), weight.dtype)
@@ -234,14 +253,16 @@ class PackedLinear:
         self.path = self._describe(weight.dtype, rows if quant is not None else None)
 
     def _describe(self, dtype: torch.dtype, rows: QuantRows | None) -> str:
-        """E.g. "bf16_gemm(amx) on q4_1 blocks up to 128 rows, bf16_gemm panels beyond", "onednn",
+        """E.g. "bf16_gemm(amx) on q4_1 blocks (rows) up to 128 rows, onednn beyond", "onednn",
         "torch_matmul" (neither panels nor oneDNN here)."""
         if self.panels is None:
             return ONEDNN if self.onednn else "torch_matmul"
         name = _PANEL_OPS[dtype]
         if dtype == torch.bfloat16:
             name += f"({registry.op('bf16_gemm_kernels')()[0]})"
-        small = f"{name} on {_GGML_NAMES.get(rows.ggml_type, rows.ggml_type)} blocks" if rows else f"{name} panels"
+        layout = " (rows)" if rows and self.panels is not None and self.panels.dim() == 4 else ""
+        small = (f"{name} on {_GGML_NAMES.get(rows.ggml_type, rows.ggml_type)} blocks{layout}" if rows
+                 else f"{name} panels")
         if self.panel_max_rows is None:
             return small
         large = f"{_PANEL_OPS[dtype]} panels" if self.wide_panels is not None else ONEDNN

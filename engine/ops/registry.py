@@ -77,13 +77,14 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("row_argmax", "cpu", ("cpu/cpu_argmax.cpp",), ("row_argmax",), TORCH_REFERENCE),
     # The linears' panel GEMMs (engine/models/cpu_gemm.py; which path each linear kind takes is
     # reported per model by the runner), and a GGUF checkpoint's blocks as their panels.
-    Kernel("bf16_gemm", "cpu", ("cpu/cpu_bf16_gemm.cpp",),
+    Kernel("bf16_gemm", "cpu", ("cpu/cpu_bf16_gemm.cpp", "cpu/cpu_bf16_gemm_rows.cpp"),
            ("bf16_gemm_pack", "bf16_gemm", "bf16_gemm_supported", "bf16_gemm_kernels"), ONEDNN,
            probe="bf16_gemm_supported"),
     Kernel("f32_gemm", "cpu", ("cpu/cpu_f32_gemm.cpp",), ("f32_gemm_pack", "f32_gemm", "f32_gemm_supported"), ONEDNN,
            probe="f32_gemm_supported"),
     Kernel("quant_panels", "cpu", ("cpu/cpu_quant_panels.cpp",),
-           ("quant_panels_pack", "quant_panels_unpack", "quant_panels_supported"), ONEDNN),
+           ("quant_panels_pack", "quant_panels_unpack", "quant_panels_supported", "quant_rows_pack",
+            "quant_rows_supported"), ONEDNN),
     # GGUF linears with int8 activations against their Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks
     # (AVX512-VNNI, and AMX-INT8 tiles for larger batches of Q4_0/Q4_1/Q8_0; or, on CPUs without
     # AVX-512, AVX-VNNI; engine/models/int8_linear.py); elsewhere engine/models/int8_reference.py,

@@ -3,7 +3,10 @@ ggml's reference dequantization (gguf.dequantize) bit for bit, and the bf16 and 
 GEMMs give bit for bit the results of their own panels packed from those values, on every row
 path (one row, AMX tiles of up to 16 rows, chunked passes past 16, the vdpbf16ps tiles, and
 the "avx512f" kernel, whose quantized panels go through the float32 GEMM on values rounded to
-bf16). Skipped on CPUs without AVX-512, where the engine keeps the plain weights. Needs the ops built (`kvsentry_ops`)."""
+bf16). Skipped on CPUs without AVX-512, where the engine keeps the plain weights. The rows layout
+of Q4_1 (quant_rows_pack: the AMX tiles' A operand, looked up per output and block) unpacks to
+the same values and gives the panels' bits on every row path; skipped where the CPU lacks AMX-BF16
+or AVX512-VBMI, where the engine keeps the panels. Needs the ops built (`kvsentry_ops`)."""
 from __future__ import annotations
 
 import gguf
@@ -118,3 +121,97 @@ def test_bad_arguments_are_refused(kvsentry_ops):
         kvsentry_ops.f32_gemm(torch.randn(2, 96), packed, None, 8)
     with pytest.raises(RuntimeError, match="does not fit"):
         kvsentry_ops.quant_panels_unpack(packed, 65, torch.float32)
+
+
+def rows_supported(ops) -> None:
+    if not ops.quant_rows_supported():
+        pytest.skip("no rows layout on this CPU (AMX-BF16 and AVX512-VBMI): the engine keeps the panels")
+
+
+@pytest.mark.parametrize("n,k", [(64, 32), (200, 96), (960, 576), (1, 64), (130, 1536)])
+def test_rows_layout_unpacks_to_ggmls_dequantization(kvsentry_ops, n, k):
+    """Every output of every block, partial last panels included, through the GEMM's lookups:
+    d * q + m in float32 rounded to nearest even, as gguf's numpy reference and torch's cast."""
+    rows_supported(kvsentry_ops)
+    raw = blocks(Q.Q4_1, n, k, seed=3 * n + k)
+    packed = kvsentry_ops.quant_rows_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
+    assert packed.dtype == torch.uint8 and packed.shape == ((n + 63) // 64, k // 32, 80, 16)
+    got = kvsentry_ops.quant_panels_unpack(packed, n, torch.bfloat16)
+    assert torch.equal(got, dequantized(raw, Q.Q4_1, n, k).bfloat16())
+
+
+def test_rows_layout_keeps_extreme_scales_and_every_quant(kvsentry_ops):
+    """float16 scales and minima at their extremes, both nibbles of every byte at every value:
+    each output's 16-entry table holds exactly the reference's values."""
+    rows_supported(kvsentry_ops)
+    n, k = 64, 64
+    raw = blocks(Q.Q4_1, n, k, seed=1).reshape(n, k // 32, 20)
+    specials = np.array([65504.0, -65504.0, 6e-8, -6e-8, 0.0, 1.0, -0.5, 3.1e-5], dtype=np.float16)
+    rng = np.random.default_rng(5)
+    raw[..., 0:2] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
+    raw[..., 2:4] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
+    raw[..., 4:] = ((np.arange(16) * 17 + np.arange(n)[:, None, None]) % 256).astype(np.uint8)
+    raw = np.ascontiguousarray(raw.reshape(n, -1))
+    packed = kvsentry_ops.quant_rows_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
+    reference = dequantized(raw, Q.Q4_1, n, k).bfloat16()
+    assert torch.equal(kvsentry_ops.quant_panels_unpack(packed, n, torch.bfloat16), reference)
+
+
+@pytest.mark.parametrize("n,k", SHAPES + [(64, 32)])
+def test_rows_layout_gives_the_panels_bits(kvsentry_ops, n, k):
+    """Every row path of the rows layout (one tile of 1-16 rows over the whole K, chunked
+    passes past 16, the L2 prefetch at 49-64, past a 256-row pass) against the AMX tiles on
+    the panel layout of the same blocks, and against the dense panels: the tiles' sums do not
+    depend on which operand is the weight."""
+    rows_supported(kvsentry_ops)
+    raw = blocks(Q.Q4_1, n, k, seed=11 * n + k)
+    rows = kvsentry_ops.quant_rows_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
+    panels = kvsentry_ops.quant_panels_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
+    plain = kvsentry_ops.bf16_gemm_pack(dequantized(raw, Q.Q4_1, n, k).bfloat16())
+    bias = torch.randn(n).bfloat16()
+    for m in ROWS + [3, 7, 8, 15, 31, 49, 63, 65, 129]:
+        x = torch.randn(m, k).bfloat16()
+        for b in (None, bias):
+            got = kvsentry_ops.bf16_gemm(x, rows, b, n)
+            assert torch.equal(got, kvsentry_ops.bf16_gemm_with(x, panels, b, n, "amx")), (m, b is not None)
+            assert torch.equal(got, kvsentry_ops.bf16_gemm_with(x, plain, b, n, "amx")), (m, b is not None)
+
+
+def test_rows_layout_a_rows_bits_do_not_depend_on_its_batch(kvsentry_ops):
+    """A row alone and in batches of every path (one tile, chunked passes, past 256 rows), and
+    a row of x that is a strided view: the same bits."""
+    rows_supported(kvsentry_ops)
+    n, k = 200, 576
+    raw = blocks(Q.Q4_1, n, k, seed=17)
+    rows = kvsentry_ops.quant_rows_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
+    x = torch.randn(300, k).bfloat16()
+    alone = torch.cat([kvsentry_ops.bf16_gemm(x[i:i + 1], rows, None, n) for i in range(0, 300, 7)])
+    for m in (8, 16, 17, 64, 300):
+        batch = kvsentry_ops.bf16_gemm(x[:m], rows, None, n)
+        assert torch.equal(batch[0:m:7], alone[:len(range(0, m, 7))]), m
+    wide = torch.randn(5, 2 * k).bfloat16()[:, :k]  # rows 2k apart
+    assert torch.equal(kvsentry_ops.bf16_gemm(wide, rows, None, n), kvsentry_ops.bf16_gemm(wide.contiguous(), rows, None, n))
+
+
+def test_rows_layout_is_refused_where_it_does_not_run(kvsentry_ops):
+    raw = torch.from_numpy(blocks(Q.Q4_1, 8, 64, seed=3))
+    with pytest.raises(RuntimeError, match="no rows layout"):
+        kvsentry_ops.quant_rows_pack(torch.from_numpy(blocks(Q.Q8_0, 8, 64, seed=3)), int(Q.Q8_0), 64)
+    with pytest.raises(RuntimeError, match="whole blocks of 32"):
+        kvsentry_ops.quant_rows_pack(raw, int(Q.Q4_1), 48)
+    with pytest.raises(RuntimeError, match="raw must be"):
+        kvsentry_ops.quant_rows_pack(raw, int(Q.Q4_1), 96)
+    rows = kvsentry_ops.quant_rows_pack(raw, int(Q.Q4_1), 64)
+    if not kvsentry_ops.bf16_gemm_supported():
+        return
+    for kernel in kvsentry_ops.bf16_gemm_kernels():
+        if kernel != "amx":
+            with pytest.raises(RuntimeError, match="amx kernel only"):
+                kvsentry_ops.bf16_gemm_with(torch.randn(2, 64).bfloat16(), rows, None, 8, kernel)
+    if kvsentry_ops.quant_rows_supported():
+        with pytest.raises(RuntimeError, match="do not fit"):
+            kvsentry_ops.bf16_gemm(torch.randn(2, 96).bfloat16(), rows, None, 8)
+        with pytest.raises(RuntimeError, match="does not fit"):
+            kvsentry_ops.quant_panels_unpack(rows, 65, torch.bfloat16)
+        with pytest.raises(RuntimeError, match="rows layout is bf16"):
+            kvsentry_ops.quant_panels_unpack(rows, 8, torch.float32)

@@ -51,7 +51,19 @@ def test_quantized_linears_serve_what_the_plain_panels_serve(checkpoint, tmp_pat
     beside = dense_panels_beside_quant(dtype)
     assert {p.panel_max_rows for p in linears} <= {None, QUANT_ROWS_BESIDE_DENSE if beside else QUANT_PANEL_MAX_ROWS[dtype]}
     assert all((p.wide_panels is not None) == beside for p in linears)
+    from engine.models.cpu_gemm import rows_layout
+    if rows_layout(dtype, int(Q.Q4_1)):  # AMX with AVX512-VBMI: the layers' Q4_1 in the rows layout
+        assert all(p.panels.dim() == 4 and "(rows)" in p.path for p in linears[:-1]), [p.path for p in linears]
+        assert linears[-1].panels.dim() == 3  # the Q8_0 head keeps the panel layout
     got = quant.generate(prompts, params)
+    if rows_layout(dtype, int(Q.Q4_1)):
+        monkeypatch.setenv("KVSENTRY_DISABLE_QUANT_ROWS", "1")
+        panel_layout = LLM(str(path), **{"dtype": "float32", **args})
+        assert all(p.panels.dim() == 3 for p in _packed(panel_layout))
+        for ref, out in zip(panel_layout.generate(prompts, params), got):
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+        monkeypatch.delenv("KVSENTRY_DISABLE_QUANT_ROWS")
     monkeypatch.setenv("KVSENTRY_DISABLE_QUANT_PANELS", "1")
     plain = LLM(str(path), **{"dtype": "float32", **args})
     assert all(p.panels.dtype == dtype for p in _packed(plain))  # the same linears, dense panels

@@ -1,0 +1,30 @@
+// What the bf16 GEMM's two AMX paths share (cpu_bf16_gemm.cpp: the panel layout, x as the tiles'
+// A operand; cpu_bf16_gemm_rows.cpp: Q4_1 blocks in the rows layout, the weight as A): how they
+// walk a panel, and the rows layout's entry point.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_quant_panels.h"
+
+namespace kvsentry_bf16_amx {
+
+constexpr int64_t kDepth = 16;     // pairs of K per AMX tile (and the packing's K granule)
+constexpr int64_t kTileRows = 16;  // rows of x per AMX tile
+constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for more than 16 rows
+// Passes over a chunk after the first (which streams it from memory; the others read it from
+// L1) from which those later passes also bring the next chunk into L2: 3, i.e. 49-64 rows.
+// There the prefetches spread thin enough (~21 lines a block) to run beside the tiles: the
+// default model's 30 layers at 64 rows 23.9 -> 21.0 ms, its decode step at batch 64 69.1-71.2
+// -> 65.1-66.4 ms (1-core Xeon, weights on huge pages, alternating). With one or two later
+// passes (17-48 rows) the same prefetches measured no faster.
+constexpr int64_t kAheadPasses = 3;
+constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
+
+// y [m, n] bf16 (row stride n) = x [m, 2 pairs] bf16 (row stride xs elements) . W^T (+ bias [n]
+// float32, or nullptr), W the `panels` panels of Q4_1 blocks in the rows layout (quant_rows_pack),
+// on AMX tiles: the bits of the panel layout's tiles. Needs AMX-BF16 and rows_supported().
+void amx_gemm_rows(const uint16_t* x, int64_t xs, int64_t panels, int64_t pairs, const float* bias, uint16_t* y,
+                   int64_t m, int64_t n, const kvsentry_quant::Panels& quant);
+
+}  // namespace kvsentry_bf16_amx

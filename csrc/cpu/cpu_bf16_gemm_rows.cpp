@@ -1,0 +1,267 @@
+// The bf16 GEMM (cpu_bf16_gemm.cpp) on a GGUF checkpoint's Q4_1 blocks in the rows layout
+// (cpu_quant_panels.h, quant_rows_pack), on AMX tiles with the weight as their A operand.
+//
+// The same products summed in the same order, the operands' roles swapped: C^T = W . x^T, C a
+// tile of 16 outputs x up to 16 rows of x, A a block's 16 outputs x 32 K straight from the rows
+// layout's lookups, B 16 pairs of K x the tile's rows of x, laid out once per call (xt). The
+// tiles' sums do not depend on which operand is which (checked bit for bit against the panels,
+// tests/csrc/test_quant_panels.py), so a row gets the panels' bits. Why: those lookups
+// dequantize a block in ~5 vector instructions per output where the panel layout takes ~9, and a
+// decode step of one request is bound by that (the default model's 30 layers at one row: see
+// docs/kernels.md). Tiles 0-3 are C, 4-5 A (alternating), 6-7 B (by the block's parity).
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_amx.h"
+#include "cpu_bf16_amx.h"
+#include "cpu_panel_gemm.h"
+#include "cpu_prefetch.h"
+#include "cpu_quant_panels.h"
+
+namespace kvsentry_bf16_amx {
+#if defined(__AVX512F__)
+namespace {
+
+using kvsentry_amx::TileBuffer;
+using kvsentry_amx::TileConfig;
+using kvsentry_panels::kPanel;
+using kvsentry_panels::output_chunk;
+
+constexpr int64_t kRowsBlockHalves = kvsentry_quant::kOutputs * 32;  // bf16 of a dequantized block
+TileConfig rows_tile_config(int64_t rows) {
+  const int64_t bytes = 4 * rows;
+  return TileConfig({kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kDepth, kDepth},
+                    {bytes, bytes, bytes, bytes, 64, 64, bytes, bytes});
+}
+
+// The row stride of x^T's B tiles for a tile of `rows` rows: their 4-byte pairs, padded to a
+// power of two so that no tile row straddles a cache line.
+int64_t xt_stride(int64_t rows) {
+  int64_t padded = 1;
+  while (padded < rows) padded *= 2;
+  return 4 * padded;
+}
+
+// r[i] = column i of the 16 x 16 matrix of 32-bit lanes whose row i was r[i].
+__attribute__((target("avx512f"), always_inline)) inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88);
+      t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// x [m, 2 pairs] bf16 (row stride xs) as B tiles: row tile t at xt + t * pairs * 16 (32-bit
+// pairs), in it pair p of its row r at p * stride / 4 + r; 16 pairs of 16 rows at a time,
+// transposed in registers.
+__attribute__((target("avx512f"))) void lay_out_xt(const uint32_t* x, int64_t xs, int64_t m, int64_t pairs,
+                                                   uint32_t* xt) {
+  for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, m - r0), step = xt_stride(rows) / 4;
+    const __mmask16 keep = static_cast<__mmask16>((1u << step) - 1);
+    uint32_t* tile = xt + r0 / kTileRows * pairs * kTileRows;
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {  // pairs: whole blocks of 16
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r) {
+        v[r] = r < rows ? _mm512_loadu_si512(x + (r0 + r) * xs + p0) : _mm512_setzero_si512();
+      }
+      transpose16(v);
+      for (int p = 0; p < 16; ++p) _mm512_mask_storeu_epi32(tile + (p0 + p) * step, keep, v[p]);
+    }
+  }
+}
+
+// Block b's tiles for group g of outputs (g 0 also loads x^T's B tile), run between the next
+// block's lookups (dequant_rows' `between`): each tile load then finds the product before it that
+// read the same A tile done, where back to back they queue behind the products and hold up the
+// lookups behind them.
+struct RowsTiles {
+  const uint16_t* a;
+  const char* xt;
+  int64_t stride;
+  bool odd;
+  __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void operator()(int g) const {
+    if (odd) {
+      if (g == 0) _tile_loadd(7, xt, stride);
+      if (g == 0) { _tile_loadd(4, a, 64); _tile_dpbf16ps(0, 4, 7); }
+      if (g == 1) { _tile_loadd(5, a + 16 * 32, 64); _tile_dpbf16ps(1, 5, 7); }
+      if (g == 2) { _tile_loadd(4, a + 32 * 32, 64); _tile_dpbf16ps(2, 4, 7); }
+      if (g == 3) { _tile_loadd(5, a + 48 * 32, 64); _tile_dpbf16ps(3, 5, 7); }
+    } else {
+      if (g == 0) _tile_loadd(6, xt, stride);
+      if (g == 0) { _tile_loadd(4, a, 64); _tile_dpbf16ps(0, 4, 6); }
+      if (g == 1) { _tile_loadd(5, a + 16 * 32, 64); _tile_dpbf16ps(1, 5, 6); }
+      if (g == 2) { _tile_loadd(4, a + 32 * 32, 64); _tile_dpbf16ps(2, 4, 6); }
+      if (g == 3) { _tile_loadd(5, a + 48 * 32, 64); _tile_dpbf16ps(3, 5, 6); }
+    }
+  }
+};
+
+// Where a pass's blocks come from when it dequantizes them (its panel's first pass): the
+// blocks b0..b1 of `src` (rows layout) to `dst` in turn, or to its first two blocks' room
+// alternately (ping_pong: no later pass reads them).
+struct RowsDequant {
+  const uint8_t* src;
+  uint16_t* dst;
+  bool ping_pong;
+};
+
+// C^T [64 outputs, rows] (+)= panel blocks b0..b1 . x^T for one tile of rows (config loaded),
+// as amx_rows does it for the panel layout: from zero (first) or from acc ([64][16] float32),
+// stored back to acc; the blocks from `chunk` ([blocks][64][32] bf16) or dequantized as they go.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,f16c"))) void amx_rows_pass(
+    const char* xt, int64_t stride, const uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
+    const char*& ahead, int64_t ahead_lines, const RowsDequant* dequant) {
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, 64);
+    _tile_loadd(1, acc + 256, 64);
+    _tile_loadd(2, acc + 512, 64);
+    _tile_loadd(3, acc + 768, 64);
+  }
+  if (dequant != nullptr) {
+    // Block b's tiles run between block b + 1's lookups: tileloadd reads only what has left
+    // the store buffer, which block b's lookups have by then, and tile and vector work overlap.
+    auto slot = [&](int64_t b) { return dequant->dst + (dequant->ping_pong ? b & 1 : b - b0) * kRowsBlockHalves; };
+    const uint8_t* src = dequant->src;
+    if (b0 < b1) kvsentry_quant::dequant_rows(src, slot(b0));
+    for (int64_t b = b0; b < b1; ++b) {
+      if (ahead != nullptr) {
+        for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
+      }
+      const RowsTiles tiles{slot(b), xt + b * kDepth * stride, stride, (b & 1) != 0};
+      if (b + 1 < b1) {
+        kvsentry_quant::dequant_rows(src + (b + 1 - b0) * kvsentry_quant::kRowsBlockBytes, slot(b + 1), tiles);
+      } else {
+        for (int g = 0; g < 4; ++g) tiles(g);
+      }
+    }
+  } else {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (ahead != nullptr) {
+        for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
+      }
+      const RowsTiles tiles{chunk + (b - b0) * kRowsBlockHalves, xt + b * kDepth * stride, stride, (b & 1) != 0};
+      for (int g = 0; g < 4; ++g) tiles(g);
+    }
+  }
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 256, 64);
+  _tile_stored(2, acc + 512, 64);
+  _tile_stored(3, acc + 768, 64);
+}
+
+// y[r, 0:width] = bf16(C^T[0:width, r] + bias) for `rows` rows of one tile's acc ([64][16]),
+// 16 outputs at a time transposed in registers.
+__attribute__((target("avx512f,avx512bf16"))) void amx_rows_store(const float* acc, int64_t rows,
+                                                                  const float* bias, uint16_t* y, int64_t ys,
+                                                                  int64_t width) {
+  for (int j = 0; j < 4; ++j) {
+    __mmask16 mask;
+    __m512 bj;
+    if (!output_chunk(j, width, bias, mask, bj)) break;
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(acc + 256 * j + 16 * i);
+    transpose16(v);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 out = _mm512_add_ps(_mm512_castsi512_ps(v[r]), bj);
+      _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(out));
+    }
+  }
+}
+
+// Panels [begin, end) for every row of x, walked as amx_panels walks them (the whole K per pass
+// up to 16 rows; chunks of kChunkBlocks blocks beyond, which the first pass dequantizes into L1
+// for the others and the later passes bring the next chunk into L2 from kAheadPasses).
+__attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin, int64_t end, const uint32_t* xt,
+                                                                  int64_t pairs, const float* bp, uint16_t* yp,
+                                                                  int64_t m, int64_t n,
+                                                                  const kvsentry_quant::Panels& quant) {
+  const int64_t chunk_rows = std::min(m, kAmxRowChunk), tiles = (chunk_rows + kTileRows - 1) / kTileRows;
+  TileBuffer<float> acc_rows(static_cast<size_t>(tiles * kvsentry_quant::kOutputs * kTileRows));
+  float* acc = acc_rows.data();
+  const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
+  TileBuffer<uint16_t> dequantized(static_cast<size_t>(kChunkBlocks * kRowsBlockHalves));
+  const int64_t stream_block = kvsentry_quant::kRowsBlockBytes;
+  TileConfig loaded = rows_tile_config(0);  // none yet: no call has 0 rows
+  for (int64_t r0 = 0; r0 < m; r0 += kAmxRowChunk) {
+    const int64_t r1 = std::min(m, r0 + kAmxRowChunk);
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const uint8_t* stream = quant.panel(panel);
+      const int64_t col = panel * kPanel;
+      for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+        const int64_t b1 = std::min(blocks, b0 + chunk);
+        const int64_t later = (r1 - r0 + kTileRows - 1) / kTileRows - 1;
+        const char* ahead = nullptr;
+        int64_t ahead_lines = 0;
+        if (later >= kAheadPasses) {
+          ahead = reinterpret_cast<const char*>(stream) + b1 * stream_block;
+          ahead_lines = ((b1 - b0) * stream_block / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
+        }
+        for (int64_t r = r0; r < r1; r += kTileRows) {
+          const int64_t rows = std::min(kTileRows, r1 - r);
+          const TileConfig want = rows_tile_config(rows);
+          if (std::memcmp(&want, &loaded, sizeof want) != 0) {
+            loaded = want;
+            _tile_loadconfig(&loaded);
+          }
+          const char* pass_ahead = r > r0 ? ahead : nullptr;
+          const RowsDequant first_pass{stream + b0 * stream_block, dequantized.data(), later == 0};
+          const char* xt_tile = reinterpret_cast<const char*>(xt + r / kTileRows * pairs * kTileRows);
+          amx_rows_pass(xt_tile, xt_stride(rows), dequantized.data(), b0, b1, b0 == 0,
+                        acc + (r - r0) / kTileRows * kvsentry_quant::kOutputs * kTileRows, pass_ahead, ahead_lines,
+                        r == r0 ? &first_pass : nullptr);
+          if (pass_ahead != nullptr) ahead = pass_ahead;
+        }
+      }
+      for (int64_t r = r0; r < r1; r += kTileRows) {
+        amx_rows_store(acc + (r - r0) / kTileRows * kvsentry_quant::kOutputs * kTileRows, std::min(kTileRows, r1 - r),
+                       bp != nullptr ? bp + col : nullptr, yp + r * n + col, n, std::min(kPanel, n - col));
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+void amx_gemm_rows(const uint16_t* xh, int64_t xs, int64_t panels, int64_t pairs, const float* bp, uint16_t* yp,
+                   int64_t m, int64_t n, const kvsentry_quant::Panels& quant) {
+  TileBuffer<uint32_t> xt(static_cast<size_t>((m + kTileRows - 1) / kTileRows * kTileRows * pairs));
+  lay_out_xt(reinterpret_cast<const uint32_t*>(xh), xs / 2, m, pairs, xt.data());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    amx_panels_rows(begin, end, xt.data(), pairs, bp, yp, m, n, quant);
+  });
+}
+
+#else
+void amx_gemm_rows(const uint16_t*, int64_t, int64_t, int64_t, const float*, uint16_t*, int64_t, int64_t,
+                   const kvsentry_quant::Panels&) {}  // builds below AVX-512 never call it
+#endif
+}  // namespace kvsentry_bf16_amx
