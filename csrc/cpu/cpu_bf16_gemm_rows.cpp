@@ -14,9 +14,13 @@
 #include <immintrin.h>
 #endif
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "cpu_amx.h"
 #include "cpu_bf16_amx.h"
@@ -207,7 +211,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
   TileBuffer<float> acc_rows(static_cast<size_t>(tiles * kvsentry_quant::kOutputs * kTileRows));
   float* acc = acc_rows.data();
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
-  TileBuffer<uint16_t> dequantized(static_cast<size_t>(kChunkBlocks * kRowsBlockHalves));
+  alignas(64) uint16_t dequantized[kChunkBlocks * kRowsBlockHalves];  // written before read: no zeroing
   const int64_t stream_block = kvsentry_quant::kRowsBlockBytes;
   TileConfig loaded = rows_tile_config(0);  // none yet: no call has 0 rows
   for (int64_t r0 = 0; r0 < m; r0 += kAmxRowChunk) {
@@ -232,9 +236,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
             _tile_loadconfig(&loaded);
           }
           const char* pass_ahead = r > r0 ? ahead : nullptr;
-          const RowsDequant first_pass{stream + b0 * stream_block, dequantized.data(), later == 0};
+          const RowsDequant first_pass{stream + b0 * stream_block, dequantized, later == 0};
           const char* xt_tile = reinterpret_cast<const char*>(xt + r / kTileRows * pairs * kTileRows);
-          amx_rows_pass(xt_tile, xt_stride(rows), dequantized.data(), b0, b1, b0 == 0,
+          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0,
                         acc + (r - r0) / kTileRows * kvsentry_quant::kOutputs * kTileRows, pass_ahead, ahead_lines,
                         r == r0 ? &first_pass : nullptr);
           if (pass_ahead != nullptr) ahead = pass_ahead;
@@ -253,10 +257,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
 
 void amx_gemm_rows(const uint16_t* xh, int64_t xs, int64_t panels, int64_t pairs, const float* bp, uint16_t* yp,
                    int64_t m, int64_t n, const kvsentry_quant::Panels& quant) {
-  TileBuffer<uint32_t> xt(static_cast<size_t>((m + kTileRows - 1) / kTileRows * kTileRows * pairs));
-  lay_out_xt(reinterpret_cast<const uint32_t*>(xh), xs / 2, m, pairs, xt.data());
+  // Every word a tile reads is written by lay_out_xt (zeros past m): no zeroing.
+  const size_t words = static_cast<size_t>((m + kTileRows - 1) / kTileRows * kTileRows * pairs);
+  const std::unique_ptr<uint32_t, decltype(&std::free)> xt(
+      static_cast<uint32_t*>(std::aligned_alloc(64, (words * 4 + 63) / 64 * 64)), &std::free);
+  TORCH_CHECK(xt != nullptr, "kvsentry::bf16_gemm: out of memory for x^T");
+  lay_out_xt(reinterpret_cast<const uint32_t*>(xh), xs / 2, m, pairs, xt.get());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    amx_panels_rows(begin, end, xt.data(), pairs, bp, yp, m, n, quant);
+    amx_panels_rows(begin, end, xt.get(), pairs, bp, yp, m, n, quant);
   });
 }
 
