@@ -4,7 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
+#include "cpu_amx.h"
 #include "cpu_quant_panels.h"
 
 namespace kvsentry_bf16_amx {
@@ -20,6 +25,55 @@ constexpr int64_t kChunkBlocks = 6;    // blocks of K per pass over a panel for 
 // passes (17-48 rows) the same prefetches measured no faster.
 constexpr int64_t kAheadPasses = 3;
 constexpr int64_t kAmxRowChunk = 256;  // rows per pass over the panels: their x stays in L2
+
+#if defined(__AVX512F__)
+// C tiles 0-3 (a panel's 64 outputs) from zero (first) or loaded from acc + i * step floats, rows
+// `stride` bytes apart; and stored back there.
+__attribute__((target("amx-tile"), always_inline)) inline void load_accumulators(bool first, float* acc, int64_t step,
+                                                                                 int64_t stride) {
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, stride);
+    _tile_loadd(1, acc + step, stride);
+    _tile_loadd(2, acc + 2 * step, stride);
+    _tile_loadd(3, acc + 3 * step, stride);
+  }
+}
+
+// Loads `want` unless it is the config loaded (ldtilecfg also zeroes the tiles).
+__attribute__((target("amx-tile"), always_inline)) inline void configure(kvsentry_amx::TileConfig& loaded,
+                                                                         const kvsentry_amx::TileConfig& want) {
+  if (std::memcmp(&want, &loaded, sizeof want) != 0) {
+    loaded = want;
+    _tile_loadconfig(&loaded);
+  }
+}
+#endif
+
+// Where the later passes over a chunk of blocks b0..b1 prefetch the next chunk into L2 from (it
+// lies right after, panels being contiguous: `stream` a panel's first byte, `bytes` a block's),
+// spread over their blocks, `lines` a block; nullptr with fewer than kAheadPasses later passes.
+inline const char* chunk_ahead(const char* stream, int64_t bytes, int64_t b0, int64_t b1, int64_t later,
+                               int64_t& lines) {
+  lines = 0;
+  if (later < kAheadPasses) return nullptr;
+  lines = ((b1 - b0) * bytes / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
+  return stream + b1 * bytes;
+}
+
+#if defined(__AVX512F__)
+__attribute__((target("amx-tile"), always_inline)) inline void store_accumulators(float* acc, int64_t step,
+                                                                                  int64_t stride) {
+  _tile_stored(0, acc, stride);
+  _tile_stored(1, acc + step, stride);
+  _tile_stored(2, acc + 2 * step, stride);
+  _tile_stored(3, acc + 3 * step, stride);
+}
+#endif
 
 // y [m, n] bf16 (row stride n) = x [m, 2 pairs] bf16 (row stride xs elements) . W^T (+ bias [n]
 // float32, or nullptr), W the `panels` panels of Q4_1 blocks in the rows layout (quant_rows_pack),

@@ -82,7 +82,6 @@ using at::Tensor;
 constexpr const char* kOp = "kvsentry::bf16_gemm";
 using kvsentry_panels::kPanel;
 using kvsentry_panels::kRows;
-using kvsentry_bf16_amx::kAheadPasses;
 using kvsentry_bf16_amx::kAmxRowChunk;
 using kvsentry_bf16_amx::kChunkBlocks;
 using kvsentry_bf16_amx::kDepth;
@@ -231,17 +230,7 @@ struct Dequant {
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_rows(
     const uint16_t* x, int64_t x_bytes, const uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
     const char*& ahead, int64_t ahead_lines, const Dequant* dequant = nullptr) {
-  if (first) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  } else {
-    _tile_loadd(0, acc, kOutBytes);
-    _tile_loadd(1, acc + 16, kOutBytes);
-    _tile_loadd(2, acc + 32, kOutBytes);
-    _tile_loadd(3, acc + 48, kOutBytes);
-  }
+  kvsentry_bf16_amx::load_accumulators(first, acc, 16, kOutBytes);
   const char* a = reinterpret_cast<const char*>(x) + b0 * 4 * kDepth;
   for (int64_t b = b0; b < b1; ++b, a += 4 * kDepth) {
     const char* w = reinterpret_cast<const char*>(chunk) + (b - b0) * kBlockBytes;
@@ -263,10 +252,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_rows(
     _tile_loadd(5, w + 192, kPairBytes);
     _tile_dpbf16ps(3, 4, 5);
   }
-  _tile_stored(0, acc, kOutBytes);
-  _tile_stored(1, acc + 16, kOutBytes);
-  _tile_stored(2, acc + 32, kOutBytes);
-  _tile_stored(3, acc + 48, kOutBytes);
+  kvsentry_bf16_amx::store_accumulators(acc, 16, kOutBytes);
 }
 
 // y[r, 0:width] = bf16(acc[r, 0:width] + bias) for `rows` rows.
@@ -280,15 +266,6 @@ __attribute__((target("avx512f,avx512bf16"))) void amx_store(const float* acc, i
       const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * kPanel + 16 * j), bj));
       _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)out);
     }
-  }
-}
-
-// Loads the config for these rows unless it is the one loaded (ldtilecfg also zeroes the tiles).
-__attribute__((target("amx-tile"))) void configure(TileConfig& loaded, int64_t rows) {
-  const TileConfig want = tile_config(rows);
-  if (std::memcmp(&want, &loaded, sizeof want) != 0) {
-    loaded = want;
-    _tile_loadconfig(&loaded);
   }
 }
 
@@ -321,16 +298,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
         // The next chunk lies right after this one (panels are contiguous): spread over the
         // later passes' blocks when there are kAheadPasses of them.
         const int64_t later = (r1 - r0 + kTileRows - 1) / kTileRows - 1;
-        const char* ahead = nullptr;
-        int64_t ahead_lines = 0;
+        int64_t ahead_lines;
+        const char* ahead = kvsentry_bf16_amx::chunk_ahead(stream, stream_block, b0, b1, later, ahead_lines);
         // GGUF-quantized: the first pass dequantizes the chunk (into L1) as it goes, for the others.
         const uint16_t* cw = quant != nullptr ? dequantized : w + b0 * kBlockBytes / 2;
-        if (later >= kAheadPasses) {
-          ahead = stream + b1 * stream_block;
-          ahead_lines = ((b1 - b0) * stream_block / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
-        }
         for (int64_t r = r0; r < r1; r += kTileRows) {
-          configure(loaded, std::min(kTileRows, r1 - r));
+          kvsentry_bf16_amx::configure(loaded, tile_config(std::min(kTileRows, r1 - r)));
           const char* pass_ahead = r > r0 ? ahead : nullptr;  // the first pass streams this chunk
           const Dequant first_pass{quant, panel, dequantized, later == 0};
           amx_rows(xp + r * xs, xs * 2, cw, b0, b1, b0 == 0, acc + (r - r0) * kPanel, pass_ahead, ahead_lines,

@@ -138,17 +138,7 @@ struct RowsDequant {
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,f16c"))) void amx_rows_pass(
     const char* xt, int64_t stride, const uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
     const char*& ahead, int64_t ahead_lines, const RowsDequant* dequant) {
-  if (first) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  } else {
-    _tile_loadd(0, acc, 64);
-    _tile_loadd(1, acc + 256, 64);
-    _tile_loadd(2, acc + 512, 64);
-    _tile_loadd(3, acc + 768, 64);
-  }
+  load_accumulators(first, acc, 256, 64);
   if (dequant != nullptr) {
     // Block b's tiles run between block b + 1's lookups: tileloadd reads only what has left
     // the store buffer, which block b's lookups have by then, and tile and vector work overlap.
@@ -175,10 +165,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,
       for (int g = 0; g < 4; ++g) tiles(g);
     }
   }
-  _tile_stored(0, acc, 64);
-  _tile_stored(1, acc + 256, 64);
-  _tile_stored(2, acc + 512, 64);
-  _tile_stored(3, acc + 768, 64);
+  store_accumulators(acc, 256, 64);
 }
 
 // y[r, 0:width] = bf16(C^T[0:width, r] + bias) for `rows` rows of one tile's acc ([64][16]),
@@ -222,19 +209,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
       for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = std::min(blocks, b0 + chunk);
         const int64_t later = (r1 - r0 + kTileRows - 1) / kTileRows - 1;
-        const char* ahead = nullptr;
-        int64_t ahead_lines = 0;
-        if (later >= kAheadPasses) {
-          ahead = reinterpret_cast<const char*>(stream) + b1 * stream_block;
-          ahead_lines = ((b1 - b0) * stream_block / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
-        }
+        int64_t ahead_lines;
+        const char* ahead =
+            chunk_ahead(reinterpret_cast<const char*>(stream), stream_block, b0, b1, later, ahead_lines);
         for (int64_t r = r0; r < r1; r += kTileRows) {
           const int64_t rows = std::min(kTileRows, r1 - r);
-          const TileConfig want = rows_tile_config(rows);
-          if (std::memcmp(&want, &loaded, sizeof want) != 0) {
-            loaded = want;
-            _tile_loadconfig(&loaded);
-          }
+          configure(loaded, rows_tile_config(rows));
           const char* pass_ahead = r > r0 ? ahead : nullptr;
           const RowsDequant first_pass{stream + b0 * stream_block, dequantized, later == 0};
           const char* xt_tile = reinterpret_cast<const char*>(xt + r / kTileRows * pairs * kTileRows);

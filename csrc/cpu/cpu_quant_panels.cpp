@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_amx.h"
 #include "cpu_quant_panels.h"
@@ -51,28 +52,40 @@ void place(const uint8_t* src, int64_t type, int64_t o, uint8_t* dst) {
   }
 }
 
-Tensor pack(const Tensor& raw_in, int64_t type, int64_t k) {
-  const int64_t gguf_bytes = gguf_block_bytes(type);
-  TORCH_CHECK(gguf_bytes > 0, kOp, "_pack: GGML type ", type, " has no panels (Q4_1 = 3 and Q8_0 = 8 do)");
-  TORCH_CHECK(k > 0 && k % kBlockK == 0, kOp, "_pack: K = ", k, " is not whole blocks of 32");
-  const int64_t blocks = k / kBlockK;
+// raw's GGUF rows (blocks of `type`, K = k) into a zeroed tensor of `shape(panels, blocks)`
+// whose blocks lie `bytes` apart, panel by panel: place(row's block, output o, block's dst) for
+// each output of each panel (padding outputs stay zero: scale 0, quants 0, never stored).
+template <typename Shape, typename Place>
+Tensor pack_blocks(const Tensor& raw_in, int64_t type, int64_t k, const char* op, int64_t bytes, const Shape& shape,
+                   const Place& place) {
+  TORCH_CHECK(k > 0 && k % kBlockK == 0, kOp, op, ": K = ", k, " is not whole blocks of 32");
+  const int64_t blocks = k / kBlockK, gguf_bytes = gguf_block_bytes(type);
   TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte && raw_in.device().is_cpu() &&
                   raw_in.size(1) == blocks * gguf_bytes,
-              kOp, "_pack: raw must be CPU uint8 [N, ", blocks * gguf_bytes, "], got ", raw_in.sizes());
+              kOp, op, ": raw must be CPU uint8 [N, ", blocks * gguf_bytes, "], got ", raw_in.sizes());
   const Tensor raw = raw_in.contiguous();
-  const int64_t n = raw.size(0), panels = (n + kOutputs - 1) / kOutputs, bytes = block_bytes(type);
-  Tensor packed = at::zeros({panels, blocks, bytes}, raw.options());  // padding outputs: scale 0, quants 0
+  const int64_t n = raw.size(0), panels = (n + kOutputs - 1) / kOutputs;
+  Tensor packed = at::zeros(shape(panels, blocks), raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       for (int64_t o = 0; o < kOutputs && panel * kOutputs + o < n; ++o) {
         const uint8_t* row = src + (panel * kOutputs + o) * blocks * gguf_bytes;
-        for (int64_t b = 0; b < blocks; ++b) place(row + b * gguf_bytes, type, o, dst + (panel * blocks + b) * bytes);
+        for (int64_t b = 0; b < blocks; ++b) place(row + b * gguf_bytes, o, dst + (panel * blocks + b) * bytes);
       }
     }
   });
   return packed;
+}
+
+Tensor pack(const Tensor& raw, int64_t type, int64_t k) {
+  TORCH_CHECK(gguf_block_bytes(type) > 0, kOp, "_pack: GGML type ", type, " has no panels (Q4_1 = 3 and Q8_0 = 8 do)");
+  const int64_t bytes = block_bytes(type);
+  return pack_blocks(
+      raw, type, k, "_pack", bytes,
+      [bytes](int64_t panels, int64_t blocks) { return std::vector<int64_t>{panels, blocks, bytes}; },
+      [type](const uint8_t* src, int64_t o, uint8_t* dst) { place(src, type, o, dst); });
 }
 
 // One Q4_1 GGUF block (a row's 32 K) into output `o` of a rows-layout block `dst`.
@@ -98,30 +111,14 @@ bool rows_op_supported() {
 #endif
 }
 
-Tensor pack_rows(const Tensor& raw_in, int64_t type, int64_t k) {
+Tensor pack_rows(const Tensor& raw, int64_t type, int64_t k) {
   TORCH_CHECK(type == kQ4_1, kOp, "_rows_pack: GGML type ", type, " has no rows layout (Q4_1 = 3 has)");
-  TORCH_CHECK(k > 0 && k % kBlockK == 0, kOp, "_rows_pack: K = ", k, " is not whole blocks of 32");
-  const int64_t blocks = k / kBlockK, gguf_bytes = gguf_block_bytes(type);
-  TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte && raw_in.device().is_cpu() &&
-                  raw_in.size(1) == blocks * gguf_bytes,
-              kOp, "_rows_pack: raw must be CPU uint8 [N, ", blocks * gguf_bytes, "], got ", raw_in.sizes());
-  const Tensor raw = raw_in.contiguous();
-  const int64_t n = raw.size(0), panels = (n + kOutputs - 1) / kOutputs;
-  // Padding outputs: scale 0, minimum 0, quants 0 (their values 0, never stored).
-  Tensor packed = at::zeros({panels, blocks, kRowsBlockBytes / kRowsQuantBytes, kRowsQuantBytes}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      for (int64_t o = 0; o < kOutputs && panel * kOutputs + o < n; ++o) {
-        const uint8_t* row = src + (panel * kOutputs + o) * blocks * gguf_bytes;
-        for (int64_t b = 0; b < blocks; ++b) {
-          place_row(row + b * gguf_bytes, o, dst + (panel * blocks + b) * kRowsBlockBytes);
-        }
-      }
-    }
-  });
-  return packed;
+  return pack_blocks(
+      raw, type, k, "_rows_pack", kRowsBlockBytes,
+      [](int64_t panels, int64_t blocks) {
+        return std::vector<int64_t>{panels, blocks, kRowsBlockBytes / kRowsQuantBytes, kRowsQuantBytes};
+      },
+      place_row);
 }
 
 bool supported(at::ScalarType dtype) {

@@ -48,18 +48,24 @@ def test_unpack_is_ggmls_dequantization(kvsentry_ops, qtype, dtype, n, k):
     assert torch.equal(got, dequantized(raw, qtype, n, k).to(dtype))
 
 
-def test_extreme_scales_and_minima(kvsentry_ops):
-    """float16 scales and minima at their extremes (largest, subnormal, negative, zero) and
-    every 4-bit value: still the reference's values."""
-    supported(kvsentry_ops, torch.float32)
-    n, k = 64, 64
+def extreme_q4_1(n: int, k: int, seed: int) -> np.ndarray:
+    """Q4_1 rows whose float16 scales and minima take their extremes (largest, subnormal,
+    negative, zero), and whose bytes run through every value (output o's from 17 o on), so both
+    nibbles take every 4-bit value."""
     raw = blocks(Q.Q4_1, n, k, seed=1).reshape(n, k // 32, 20)
     specials = np.array([65504.0, -65504.0, 6e-8, -6e-8, 0.0, 1.0, -0.5, 3.1e-5], dtype=np.float16)
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     raw[..., 0:2] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
     raw[..., 2:4] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
-    raw[..., 4:] = np.arange(16, dtype=np.uint8) * 17  # both nibbles take every value
-    raw = np.ascontiguousarray(raw.reshape(n, -1))
+    raw[..., 4:] = ((np.arange(16) * 17 + np.arange(n)[:, None, None]) % 256).astype(np.uint8)
+    return np.ascontiguousarray(raw.reshape(n, -1))
+
+
+def test_extreme_scales_and_minima(kvsentry_ops):
+    """float16 scales and minima at their extremes and every 4-bit value: still the reference's values."""
+    supported(kvsentry_ops, torch.float32)
+    n, k = 64, 64
+    raw = extreme_q4_1(n, k, seed=2)
     packed = kvsentry_ops.quant_panels_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
     reference = dequantized(raw, Q.Q4_1, n, k)
     for dtype in DTYPES:
@@ -145,13 +151,7 @@ def test_rows_layout_keeps_extreme_scales_and_every_quant(kvsentry_ops):
     each output's 16-entry table holds exactly the reference's values."""
     rows_supported(kvsentry_ops)
     n, k = 64, 64
-    raw = blocks(Q.Q4_1, n, k, seed=1).reshape(n, k // 32, 20)
-    specials = np.array([65504.0, -65504.0, 6e-8, -6e-8, 0.0, 1.0, -0.5, 3.1e-5], dtype=np.float16)
-    rng = np.random.default_rng(5)
-    raw[..., 0:2] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
-    raw[..., 2:4] = rng.choice(specials, size=(n, k // 32)).view(np.uint8).reshape(n, k // 32, 2)
-    raw[..., 4:] = ((np.arange(16) * 17 + np.arange(n)[:, None, None]) % 256).astype(np.uint8)
-    raw = np.ascontiguousarray(raw.reshape(n, -1))
+    raw = extreme_q4_1(n, k, seed=5)
     packed = kvsentry_ops.quant_rows_pack(torch.from_numpy(raw), int(Q.Q4_1), k)
     reference = dequantized(raw, Q.Q4_1, n, k).bfloat16()
     assert torch.equal(kvsentry_ops.quant_panels_unpack(packed, n, torch.bfloat16), reference)
