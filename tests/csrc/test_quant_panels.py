@@ -178,8 +178,8 @@ def test_rows_layout_gives_the_panels_bits(kvsentry_ops, n, k):
 
 
 def test_rows_layout_a_rows_bits_do_not_depend_on_its_batch(kvsentry_ops):
-    """A row alone and in batches of every path (one tile, chunked passes, past 256 rows), and
-    a row of x that is a strided view: the same bits."""
+    """A row alone and in batches of every path (one tile, chunked passes, past 256 rows), on 1
+    and 2 threads, and a row of x that is a strided view: the same bits."""
     rows_supported(kvsentry_ops)
     n, k = 200, 576
     raw = blocks(Q.Q4_1, n, k, seed=17)
@@ -191,6 +191,13 @@ def test_rows_layout_a_rows_bits_do_not_depend_on_its_batch(kvsentry_ops):
         assert torch.equal(batch[0:m:7], alone[:len(range(0, m, 7))]), m
     wide = torch.randn(5, 2 * k).bfloat16()[:, :k]  # rows 2k apart
     assert torch.equal(kvsentry_ops.bf16_gemm(wide, rows, None, n), kvsentry_ops.bf16_gemm(wide.contiguous(), rows, None, n))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # threads split the panels, each with its own buffers
+    try:
+        for m in (1, 17, 300):
+            assert torch.equal(kvsentry_ops.bf16_gemm(x[:m], rows, None, n)[0:m:7], alone[:len(range(0, m, 7))]), m
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rows_layout_is_refused_where_it_does_not_run(kvsentry_ops):
