@@ -10,6 +10,7 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_prefetch.h"
 #include "cpu_quant_panels.h"
 
 namespace kvsentry_bf16_amx {
@@ -63,6 +64,12 @@ inline const char* chunk_ahead(const char* stream, int64_t bytes, int64_t b0, in
   if (later < kAheadPasses) return nullptr;
   lines = ((b1 - b0) * bytes / 64 + later * (b1 - b0) - 1) / (later * (b1 - b0));
   return stream + b1 * bytes;
+}
+
+// A block's share of that prefetch: `lines` lines from `ahead` on into L2 (and past them), where set.
+inline void prefetch_chunk(const char*& ahead, int64_t lines) {
+  if (ahead == nullptr) return;
+  for (int64_t i = 0; i < lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
 }
 
 #if defined(__AVX512F__)

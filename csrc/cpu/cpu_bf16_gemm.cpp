@@ -239,9 +239,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_rows(
       kvsentry_quant::dequant_bf16(*dequant->quant, dequant->panel, b, b + 1, block);
       w = reinterpret_cast<const char*>(block);
     }
-    if (ahead != nullptr) {
-      for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
-    }
+    kvsentry_bf16_amx::prefetch_chunk(ahead, ahead_lines);
     _tile_loadd(4, a, x_bytes);
     _tile_loadd(5, w, kPairBytes);
     _tile_dpbf16ps(0, 4, 5);
@@ -366,9 +364,7 @@ Tensor run(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>
   // The packed weight: bf16_gemm_pack's bf16 panels, or quant_panels_pack's GGUF blocks.
   const bool quant = packed.scalar_type() == at::kByte;
   // quant_rows_pack's rows layout: [panels, blocks, 80, 16] uint8, AMX only.
-  const bool rows = quant && packed.dim() == 4 && packed.is_contiguous() &&
-                    packed.size(2) * packed.size(3) == kvsentry_quant::kRowsBlockBytes &&
-                    packed.size(3) == kvsentry_quant::kRowsQuantBytes;
+  const bool rows = kvsentry_quant::is_rows_layout(packed);
   TORCH_CHECK(!rows || kernel == Kernel::kAmx, kOp, ": the rows layout (quant_rows_pack) runs on the amx kernel only");
   TORCH_CHECK(rows || (quant ? packed.dim() == 3 && kvsentry_quant::type_of(packed.size(2)) >= 0 && packed.is_contiguous()
                              : packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kPanel &&

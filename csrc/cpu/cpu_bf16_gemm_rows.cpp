@@ -37,7 +37,7 @@ using kvsentry_amx::TileConfig;
 using kvsentry_panels::kPanel;
 using kvsentry_panels::output_chunk;
 
-constexpr int64_t kRowsBlockHalves = kvsentry_quant::kOutputs * 32;  // bf16 of a dequantized block
+constexpr int64_t kRowsBlockHalves = kvsentry_quant::kOutputs * kvsentry_quant::kBlockK;  // bf16 of a dequantized block
 TileConfig rows_tile_config(int64_t rows) {
   const int64_t bytes = 4 * rows;
   return TileConfig({kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kDepth, kDepth},
@@ -123,45 +123,25 @@ struct RowsTiles {
   }
 };
 
-// Where a pass's blocks come from when it dequantizes them (its panel's first pass): the
-// blocks b0..b1 of `src` (rows layout) to `dst` in turn, or to its first two blocks' room
-// alternately (ping_pong: no later pass reads them).
-struct RowsDequant {
-  const uint8_t* src;
-  uint16_t* dst;
-  bool ping_pong;
-};
-
 // C^T [64 outputs, rows] (+)= panel blocks b0..b1 . x^T for one tile of rows (config loaded),
 // as amx_rows does it for the panel layout: from zero (first) or from acc ([64][16] float32),
-// stored back to acc; the blocks from `chunk` ([blocks][64][32] bf16) or dequantized as they go.
+// stored back to acc. The blocks lie dequantized in `chunk` ([blocks][64][32] bf16), or, with
+// `src` (the rows layout's blocks b0..b1), are looked up into it as the pass goes: in turn, or
+// into its first two blocks' room alternately (ping_pong: no later pass reads them). Block b's
+// tiles then run between block b + 1's lookups: tileloadd reads only what has left the store
+// buffer, which block b's lookups have by then, and tile and vector work overlap.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,f16c"))) void amx_rows_pass(
-    const char* xt, int64_t stride, const uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
-    const char*& ahead, int64_t ahead_lines, const RowsDequant* dequant) {
+    const char* xt, int64_t stride, uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
+    const char*& ahead, int64_t ahead_lines, const uint8_t* src, bool ping_pong) {
   load_accumulators(first, acc, 256, 64);
-  if (dequant != nullptr) {
-    // Block b's tiles run between block b + 1's lookups: tileloadd reads only what has left
-    // the store buffer, which block b's lookups have by then, and tile and vector work overlap.
-    auto slot = [&](int64_t b) { return dequant->dst + (dequant->ping_pong ? b & 1 : b - b0) * kRowsBlockHalves; };
-    const uint8_t* src = dequant->src;
-    if (b0 < b1) kvsentry_quant::dequant_rows(src, slot(b0));
-    for (int64_t b = b0; b < b1; ++b) {
-      if (ahead != nullptr) {
-        for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
-      }
-      const RowsTiles tiles{slot(b), xt + b * kDepth * stride, stride, (b & 1) != 0};
-      if (b + 1 < b1) {
-        kvsentry_quant::dequant_rows(src + (b + 1 - b0) * kvsentry_quant::kRowsBlockBytes, slot(b + 1), tiles);
-      } else {
-        for (int g = 0; g < 4; ++g) tiles(g);
-      }
-    }
-  } else {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (ahead != nullptr) {
-        for (int64_t i = 0; i < ahead_lines; ++i, ahead += 64) kvsentry_mem::prefetch_l2(ahead);
-      }
-      const RowsTiles tiles{chunk + (b - b0) * kRowsBlockHalves, xt + b * kDepth * stride, stride, (b & 1) != 0};
+  auto slot = [&](int64_t b) { return chunk + (src != nullptr && ping_pong ? b & 1 : b - b0) * kRowsBlockHalves; };
+  if (src != nullptr && b0 < b1) kvsentry_quant::dequant_rows(src, slot(b0));
+  for (int64_t b = b0; b < b1; ++b) {
+    prefetch_chunk(ahead, ahead_lines);
+    const RowsTiles tiles{slot(b), xt + b * kDepth * stride, stride, (b & 1) != 0};
+    if (src != nullptr && b + 1 < b1) {
+      kvsentry_quant::dequant_rows(src + (b + 1 - b0) * kvsentry_quant::kRowsBlockBytes, slot(b + 1), tiles);
+    } else {
       for (int g = 0; g < 4; ++g) tiles(g);
     }
   }
@@ -203,6 +183,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
   TileConfig loaded = rows_tile_config(0);  // none yet: no call has 0 rows
   for (int64_t r0 = 0; r0 < m; r0 += kAmxRowChunk) {
     const int64_t r1 = std::min(m, r0 + kAmxRowChunk);
+    auto tile_acc = [&](int64_t r) { return acc + (r - r0) / kTileRows * kvsentry_quant::kOutputs * kTileRows; };
     for (int64_t panel = begin; panel < end; ++panel) {
       const uint8_t* stream = quant.panel(panel);
       const int64_t col = panel * kPanel;
@@ -215,18 +196,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
         for (int64_t r = r0; r < r1; r += kTileRows) {
           const int64_t rows = std::min(kTileRows, r1 - r);
           configure(loaded, rows_tile_config(rows));
-          const char* pass_ahead = r > r0 ? ahead : nullptr;
-          const RowsDequant first_pass{stream + b0 * stream_block, dequantized, later == 0};
+          const char* pass_ahead = r > r0 ? ahead : nullptr;  // the first pass streams this chunk
           const char* xt_tile = reinterpret_cast<const char*>(xt + r / kTileRows * pairs * kTileRows);
-          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0,
-                        acc + (r - r0) / kTileRows * kvsentry_quant::kOutputs * kTileRows, pass_ahead, ahead_lines,
-                        r == r0 ? &first_pass : nullptr);
+          // The first pass looks the chunk's blocks up (into L1) as it goes, for the others.
+          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0, tile_acc(r), pass_ahead,
+                        ahead_lines, r == r0 ? stream + b0 * stream_block : nullptr, later == 0);
           if (pass_ahead != nullptr) ahead = pass_ahead;
         }
       }
       for (int64_t r = r0; r < r1; r += kTileRows) {
-        amx_rows_store(acc + (r - r0) / kTileRows * kvsentry_quant::kOutputs * kTileRows, std::min(kTileRows, r1 - r),
-                       bp != nullptr ? bp + col : nullptr, yp + r * n + col, n, std::min(kPanel, n - col));
+        amx_rows_store(tile_acc(r), std::min(kTileRows, r1 - r), bp != nullptr ? bp + col : nullptr, yp + r * n + col,
+                       n, std::min(kPanel, n - col));
       }
     }
   }

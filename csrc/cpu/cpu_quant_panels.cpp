@@ -130,15 +130,10 @@ bool supported(at::ScalarType dtype) {
   return false;
 }
 
-// The rows layout back, through the GEMM's own lookups: bf16 [n, K].
-Tensor unpack_rows(const Tensor& packed, int64_t n, at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kBFloat16 && rows_op_supported(), kOp, "_unpack: the rows layout is bf16 on AMX CPUs with "
-              "AVX512-VBMI only");
-  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlockK;
-  TORCH_CHECK(n > (panels - 1) * kOutputs && n <= panels * kOutputs, kOp, "_unpack: N = ", n, " does not fit ",
-              panels, " panels");
-  Tensor out = at::empty({n, k}, packed.options().dtype(dtype));
+// The rows layout back, through the GEMM's own lookups: bf16 [n, K] into `out`.
+void unpack_rows(const Tensor& packed, int64_t n, Tensor& out) {
 #if defined(__AVX512F__)
+  const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlockK;
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   alignas(64) uint16_t rows[kOutputs * kBlockK];
   for (int64_t p = 0; p < panels; ++p) {
@@ -148,24 +143,31 @@ Tensor unpack_rows(const Tensor& packed, int64_t n, at::ScalarType dtype) {
       for (int64_t r = 0; r < width; ++r) std::memcpy(o + (p * kOutputs + r) * k + b * kBlockK, rows + r * kBlockK, 64);
     }
   }
+#else
+  (void)packed, (void)n, (void)out;
 #endif
-  return out;
 }
 
 Tensor unpack(const Tensor& packed, int64_t n, at::ScalarType dtype) {
-  if (packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-      packed.size(2) * packed.size(3) == kRowsBlockBytes && packed.size(3) == kRowsQuantBytes) {
-    return unpack_rows(packed, n, dtype);
+  const bool rows = is_rows_layout(packed);
+  if (rows) {
+    TORCH_CHECK(dtype == at::kBFloat16 && rows_op_supported(), kOp,
+                "_unpack: the rows layout is bf16 on AMX CPUs with AVX512-VBMI only");
+  } else {
+    TORCH_CHECK(supported(dtype), kOp, "_unpack: no ", dtype, " panels on this CPU (or build)");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    type_of(packed.size(2)) >= 0,
+                kOp, "_unpack: packed must come from quant_panels_pack or quant_rows_pack");
   }
-  TORCH_CHECK(supported(dtype), kOp, "_unpack: no ", dtype, " panels on this CPU (or build)");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  type_of(packed.size(2)) >= 0,
-              kOp, "_unpack: packed must come from quant_panels_pack");
   const int64_t panels = packed.size(0), blocks = packed.size(1), k = blocks * kBlockK;
   TORCH_CHECK(n > (panels - 1) * kOutputs && n <= panels * kOutputs, kOp, "_unpack: N = ", n,
               " does not fit ", panels, " panels");
-  const Panels w = Panels::of(packed.data_ptr<uint8_t>(), blocks, packed.size(2));
   Tensor out = at::empty({n, k}, packed.options().dtype(dtype));
+  if (rows) {
+    unpack_rows(packed, n, out);
+    return out;
+  }
+  const Panels w = Panels::of(packed.data_ptr<uint8_t>(), blocks, packed.size(2));
 #if defined(__AVX512F__)
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t width = std::min(kOutputs, n - p * kOutputs);

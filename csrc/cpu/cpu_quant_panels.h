@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <cstdlib>
 
@@ -65,6 +67,12 @@ inline void rows_nibble(int64_t k, int64_t& byte, int& shift) {
   const int64_t slot = (k / 8) * 4 + k % 4;
   byte = (k / 4) % 2 * 8 + slot / 2;
   shift = static_cast<int>(slot % 2) * 4;
+}
+
+// Whether `packed` is quant_rows_pack's rows layout: [panels, blocks, 80, 16] uint8, contiguous.
+inline bool is_rows_layout(const at::Tensor& packed) {
+  return packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+         packed.size(2) * packed.size(3) == kRowsBlockBytes && packed.size(3) == kRowsQuantBytes;
 }
 
 // Bytes of one block of a panel for a GGML type, 0 for a type without panels.

@@ -77,7 +77,7 @@ import logging
 from engine import envs
 from engine.gguf.weights import PANEL_TYPES, QuantRows
 from engine.models.int8_linear import Int8Blocks, Int8Parts, blocks_of as int8_blocks_of, takes as int8_takes
-from engine.models.int8_reference import block_values, weight_blocks
+from engine.models.int8_reference import Q4_1, block_values, weight_blocks
 from engine.ops import cpu_ops, registry
 from engine.ops.registry import ONEDNN
 from engine.memory.huge_pages import to_huge_pages
@@ -125,7 +125,7 @@ def panel_max_rows(dtype: torch.dtype, quantized: bool = False) -> int | None:
     instead of oneDNN beyond (dense_panels_beside_quant)."""
     if dtype == torch.float32:
         dense = 0 if envs.disable_f32_panels() else F32_PANEL_MAX_ROWS
-    elif "amx_bf16" not in cpu_ops.cpu_flags() or "amx" not in registry.op("bf16_gemm_kernels")():
+    elif not bf16_panels_on_amx():
         dense = None
     else:
         dense = 0 if envs.disable_amx_panels() else AMX_PANEL_MAX_ROWS
@@ -166,16 +166,21 @@ def onednn_supports(weight: torch.Tensor) -> bool:
     return True
 
 
+def bf16_panels_on_amx() -> bool:
+    """Whether bf16_gemm runs its panels on AMX tiles here (the CPU's flags, as cpu_ops reads them,
+    and the kernel's own check)."""
+    return "amx_bf16" in cpu_ops.cpu_flags() and "amx" in registry.op("bf16_gemm_kernels")()
+
+
 def rows_layout(dtype: torch.dtype, ggml_type: int) -> bool:
     """Whether GGUF blocks of `ggml_type` pack into the rows layout (csrc/cpu/cpu_quant_panels.h's
     quant_rows_pack) for a linear of `dtype`: Q4_1 in bf16 where bf16_gemm runs on AMX tiles and
     the CPU has AVX512-VBMI. The tiles then take the weight as their A operand, each output's
     block looked up from its 16 values: the panels' bits, at ~1.3x their speed on a decode step
     of a few rows, where dequantizing bounds it (docs/kernels.md)."""
-    return (dtype == torch.bfloat16 and _GGML_NAMES.get(ggml_type) == "q4_1" and not envs.disable_quant_rows()
-            and registry.has("quant_rows_pack")
-            and bool(registry.op("quant_rows_supported")()) and "amx_bf16" in cpu_ops.cpu_flags()
-            and "amx" in registry.op("bf16_gemm_kernels")())
+    return (dtype == torch.bfloat16 and ggml_type == Q4_1 and not envs.disable_quant_rows()
+            and registry.has("quant_rows_pack") and bool(registry.op("quant_rows_supported")())
+            and bf16_panels_on_amx())
 
 
 def quant_panels(weight: torch.Tensor, rows: QuantRows | None) -> torch.Tensor | None:
@@ -260,7 +265,7 @@ class PackedLinear:
         name = _PANEL_OPS[dtype]
         if dtype == torch.bfloat16:
             name += f"({registry.op('bf16_gemm_kernels')()[0]})"
-        layout = " (rows)" if rows and self.panels is not None and self.panels.dim() == 4 else ""
+        layout = " (rows)" if self.panels.dim() == 4 else ""
         small = (f"{name} on {_GGML_NAMES.get(rows.ggml_type, rows.ggml_type)} blocks{layout}" if rows
                  else f"{name} panels")
         if self.panel_max_rows is None:
