@@ -125,15 +125,17 @@ struct RowsTiles {
 
 // C^T [64 outputs, rows] (+)= panel blocks b0..b1 . x^T for one tile of rows (config loaded),
 // as amx_rows does it for the panel layout: from zero (first) or from acc ([64][16] float32),
-// stored back to acc. The blocks lie dequantized in `chunk` ([blocks][64][32] bf16), or, with
+// stored back to acc; compact (a tile of one row): acc is [64] float32, the row's outputs in
+// order. The blocks lie dequantized in `chunk` ([blocks][64][32] bf16), or, with
 // `src` (the rows layout's blocks b0..b1), are looked up into it as the pass goes: in turn, or
 // into its first two blocks' room alternately (ping_pong: no later pass reads them). Block b's
 // tiles then run between block b + 1's lookups: tileloadd reads only what has left the store
 // buffer, which block b's lookups have by then, and tile and vector work overlap.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,f16c"))) void amx_rows_pass(
-    const char* xt, int64_t stride, uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc,
+    const char* xt, int64_t stride, uint16_t* chunk, int64_t b0, int64_t b1, bool first, float* acc, bool compact,
     const char*& ahead, int64_t ahead_lines, const uint8_t* src, bool ping_pong) {
-  load_accumulators(first, acc, 256, 64);
+  const int64_t acc_step = compact ? kTileRows : 256, acc_stride = compact ? 4 : 64;
+  load_accumulators(first, acc, acc_step, acc_stride);
   auto slot = [&](int64_t b) { return chunk + (src != nullptr && ping_pong ? b & 1 : b - b0) * kRowsBlockHalves; };
   if (src != nullptr && b0 < b1) kvsentry_quant::dequant_rows(src, slot(b0));
   for (int64_t b = b0; b < b1; ++b) {
@@ -145,11 +147,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,
       for (int g = 0; g < 4; ++g) tiles(g);
     }
   }
-  store_accumulators(acc, 256, 64);
+  store_accumulators(acc, acc_step, acc_stride);
 }
 
-// y[r, 0:width] = bf16(C^T[0:width, r] + bias) for `rows` rows of one tile's acc ([64][16]),
-// 16 outputs at a time transposed in registers.
+// y[r, 0:width] = bf16(C^T[0:width, r] + bias) for `rows` rows of one tile's acc ([64][16],
+// 16 outputs at a time transposed in registers; [64] for one row, amx_rows_pass' compact).
 __attribute__((target("avx512f,avx512bf16"))) void amx_rows_store(const float* acc, int64_t rows,
                                                                   const float* bias, uint16_t* y, int64_t ys,
                                                                   int64_t width) {
@@ -157,6 +159,11 @@ __attribute__((target("avx512f,avx512bf16"))) void amx_rows_store(const float* a
     __mmask16 mask;
     __m512 bj;
     if (!output_chunk(j, width, bias, mask, bj)) break;
+    if (rows == 1) {  // compact: nothing to transpose
+      const __m512 out = _mm512_add_ps(_mm512_load_ps(acc + 16 * j), bj);
+      _mm256_mask_storeu_epi16(y + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(out));
+      continue;
+    }
     __m512i v[16];
     for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(acc + 256 * j + 16 * i);
     transpose16(v);
@@ -175,7 +182,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
                                                                   int64_t m, int64_t n,
                                                                   const kvsentry_quant::Panels& quant) {
   const int64_t chunk_rows = std::min(m, kAmxRowChunk), tiles = (chunk_rows + kTileRows - 1) / kTileRows;
-  TileBuffer<float> acc_rows(static_cast<size_t>(tiles * kvsentry_quant::kOutputs * kTileRows));
+  // Each tile's accumulators are zeroed in the tiles (the first pass) before they are read: a
+  // buffer of this thread's, kept, not one zeroed per call.
+  thread_local TileBuffer<float> acc_rows;
+  const size_t acc_floats = static_cast<size_t>(tiles * kvsentry_quant::kOutputs * kTileRows);
+  if (acc_rows.size() < acc_floats) acc_rows.resize(acc_floats);
   float* acc = acc_rows.data();
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
   alignas(64) uint16_t dequantized[kChunkBlocks * kRowsBlockHalves];  // written before read: no zeroing
@@ -199,7 +210,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
           const char* pass_ahead = r > r0 ? ahead : nullptr;  // the first pass streams this chunk
           const char* xt_tile = reinterpret_cast<const char*>(xt + r / kTileRows * pairs * kTileRows);
           // The first pass looks the chunk's blocks up (into L1) as it goes, for the others.
-          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0, tile_acc(r), pass_ahead,
+          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0, tile_acc(r), rows == 1, pass_ahead,
                         ahead_lines, r == r0 ? stream + b0 * stream_block : nullptr, later == 0);
           if (pass_ahead != nullptr) ahead = pass_ahead;
         }
@@ -217,14 +228,20 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
 
 void amx_gemm_rows(const uint16_t* xh, int64_t xs, int64_t panels, int64_t pairs, const float* bp, uint16_t* yp,
                    int64_t m, int64_t n, const kvsentry_quant::Panels& quant) {
-  // Every word a tile reads is written by lay_out_xt (zeros past m): no zeroing.
-  const size_t words = static_cast<size_t>((m + kTileRows - 1) / kTileRows * kTileRows * pairs);
-  const std::unique_ptr<uint32_t, decltype(&std::free)> xt(
-      static_cast<uint32_t*>(std::aligned_alloc(64, (words * 4 + 63) / 64 * 64)), &std::free);
-  TORCH_CHECK(xt != nullptr, "kvsentry::bf16_gemm: out of memory for x^T");
-  lay_out_xt(reinterpret_cast<const uint32_t*>(xh), xs / 2, m, pairs, xt.get());
+  // One row's x^T is the row itself: its pairs in order, 4 bytes apart (xt_stride(1)); a
+  // decode step of one request then lays nothing out.
+  const uint32_t* row = reinterpret_cast<const uint32_t*>(xh);
+  std::unique_ptr<uint32_t, decltype(&std::free)> xt(nullptr, &std::free);
+  if (m > 1) {
+    // Every word a tile reads is written by lay_out_xt (zeros past m): no zeroing.
+    const size_t words = static_cast<size_t>((m + kTileRows - 1) / kTileRows * kTileRows * pairs);
+    xt.reset(static_cast<uint32_t*>(std::aligned_alloc(64, (words * 4 + 63) / 64 * 64)));
+    TORCH_CHECK(xt != nullptr, "kvsentry::bf16_gemm: out of memory for x^T");
+    lay_out_xt(row, xs / 2, m, pairs, xt.get());
+  }
+  const uint32_t* xt_rows = m > 1 ? xt.get() : row;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    amx_panels_rows(begin, end, xt.get(), pairs, bp, yp, m, n, quant);
+    amx_panels_rows(begin, end, xt_rows, pairs, bp, yp, m, n, quant);
   });
 }
 
