@@ -53,9 +53,10 @@ def vllm_logprobs(model: str, sequences: list[list[int]], threads: int) -> list:
                 for seq in json.loads(out.read_text())]
 
 
-def kvsentry_logprobs(model: str, sequences: list[list[int]], dtype: str) -> list:
+def kvsentry_logprobs(model: str, sequences: list[list[int]], engine_args: dict) -> list:
+    """prompt_logprobs of each sequence, kvsentry on `engine_args` (dtype and path)."""
     from engine import LLM, SamplingParams
-    with LLM(model, dtype=dtype, max_model_len=1024, enable_prefix_caching=False) as llm:
+    with LLM(model, max_model_len=1024, enable_prefix_caching=False, **engine_args) as llm:
         outs = llm.generate(sequences, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP))
     return [[None if p is None else {t: lp.logprob for t, lp in p.items()} for p in o.prompt_logprobs] for o in outs]
 
@@ -102,14 +103,15 @@ def main() -> None:
     import torch
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
+    from judge import EXACT_FLOAT32
     path = bench_checkpoint(args.model)
     low, vocab = prompt_token_range(path)
     prompts = random_prompts(args.requests, args.prompt_len, vocab=vocab, seed=args.seed, low=low)
-    with LLM(path, dtype="float32", max_model_len=1024, enable_prefix_caching=False) as llm:
+    with LLM(path, max_model_len=1024, enable_prefix_caching=False, **EXACT_FLOAT32) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True))
     sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    reference = kvsentry_logprobs(path, sequences, "float32")
-    engines = {"kvsentry bfloat16": kvsentry_logprobs(path, sequences, "bfloat16")}
+    reference = kvsentry_logprobs(path, sequences, EXACT_FLOAT32)
+    engines = {"kvsentry bfloat16": kvsentry_logprobs(path, sequences, {"dtype": "bfloat16"})}  # as served
     if args.vllm:
         from servers import resolve_model
         engines["vLLM bfloat16"] = vllm_logprobs(resolve_model(args.model), sequences, args.threads)

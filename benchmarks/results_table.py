@@ -16,6 +16,8 @@ def verdict_line(verdict: dict) -> str:
     if verdict["dtype"] != "float32":
         line += (f", {verdict['near_tie']} near-ties, {verdict['not_near_tie']} not near-ties "
                  f"(threshold {verdict['near_tie_threshold_logprob']} float32 logprob)")
+        if "peer_rounding" in verdict:  # judged since 2026-12-06
+            line += f", {verdict['peer_rounding']} of them the peer's rounding"
     elif verdict["not_near_tie"]:
         line += f", {verdict['not_near_tie']} differ"
     return f"{'PASS' if verdict['passed'] else 'FAIL'}: {line}"

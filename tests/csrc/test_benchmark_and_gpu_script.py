@@ -134,7 +134,9 @@ def test_judge_bfloat16_scores_each_first_divergence_after_its_common_prefix(ben
     # The scorer saw prompt + common prefix, once with each side's token.
     assert seen == [([100, 101, 1], 7), ([100, 101, 1], 8), ([103, 7], 7), ([103, 7], 9)]
     assert (verdict.identical, verdict.near_tie, verdict.not_near_tie) == (1, 1, 2)
-    assert not verdict.passed  # a gap of exactly the threshold, and an output that ended early
+    # A gap of exactly the threshold with a's token float32's better one is b's rounding; the output
+    # that ended early fails the run.
+    assert not verdict.passed and verdict.peer_rounding == 1
     gaps = {d.label: d.gap for d in verdict.divergences}
     assert gaps["request 0"] == pytest.approx(judge.NEAR_TIE_LOGPROB - 0.01)
     assert gaps["request 2"] == pytest.approx(judge.NEAR_TIE_LOGPROB) and gaps["request 3"] is None
@@ -142,6 +144,29 @@ def test_judge_bfloat16_scores_each_first_divergence_after_its_common_prefix(ben
     assert near.passed and near.as_json()["near_tie_threshold_logprob"] == judge.NEAR_TIE_LOGPROB
     unscored = judge.judge("ids", "bfloat16", ours[:2], theirs[:2], prompts[:2], ("a", "b"))
     assert not unscored.passed  # no float32 scorer: no divergence can be shown to be a near-tie
+
+
+def test_judge_bfloat16_fails_only_where_our_token_is_float32s_worse_one(bench_modules):
+    """Past the near-tie bound, a divergence whose kvsentry token float32 ranks higher is the peer's
+    rounding (counted, listed, not failed); one whose kvsentry token float32 ranks lower fails."""
+    judge = bench_modules("judge")
+    t = judge.NEAR_TIE_LOGPROB
+    logprobs = {1: -1.0, 2: -1.0 - t - 0.3, 3: -1.0 - t / 2}
+
+    def score(queries):
+        return [logprobs[token] for _, token in queries]
+
+    prompts = [[100], [101], [102]]
+    ours, theirs = [[1], [5, 3], [5]], [[2], [5, 1], [5]]  # ours better; ours a near-tie worse; same
+    verdict = judge.judge("ids", "bfloat16", ours, theirs, prompts, ("a", "b"), score=score)
+    assert verdict.passed
+    assert (verdict.identical, verdict.near_tie, verdict.not_near_tie, verdict.peer_rounding) == (1, 1, 1, 1)
+    assert verdict.as_json()["peer_rounding"] == 1
+    summary = verdict.summary()
+    assert "1 of them b's rounding" in summary and "NOT a near-tie (b's rounding)" in summary
+    flipped = judge.judge("ids", "bfloat16", theirs, ours, prompts, ("a", "b"), score=score)
+    assert not flipped.passed and (flipped.not_near_tie, flipped.peer_rounding) == (1, 0)
+    assert "rounding)" not in flipped.summary().split("\n", 1)[1]
 
 
 def test_float32_scorer_is_kvsentry_float32_logprob_of_each_candidate(bench_modules, bench_llama):
@@ -152,6 +177,8 @@ def test_float32_scorer_is_kvsentry_float32_logprob_of_each_candidate(bench_modu
     queries = [(contexts[0], 11), (contexts[0], 31999), (contexts[1], 7)]
     threads = torch.get_num_threads()
     scorer = judge.Float32Scorer(str(bench_llama), max_model_len=256)
+    # The exact path: a GGUF's default on a VNNI CPU multiplies int8 activations, in float32 too.
+    assert (scorer.llm.config.model.dtype, scorer.llm.config.quantized_activations) == (torch.float32, "none")
     try:
         got = scorer(queries)
     finally:
@@ -224,7 +251,9 @@ def test_serve_judges_token_ids_and_a_server_without_them_fails(bench_modules):
     verdict = serve.compare_outputs(run(ours), run([[1, 4]] + ours[1:]), args, score)
     assert verdict.passed and (verdict.identical, verdict.near_tie) == (count - 1, 1)
     assert scored == [(prompts[0] + [1], 3), (prompts[0] + [1], 4)]
-    assert not serve.compare_outputs(run(ours), run([[1, 8]] + ours[1:]), args, score).passed
+    assert not serve.compare_outputs(run([[1, 8]] + ours[1:]), run(ours), args, score).passed  # ours far below
+    peer = serve.compare_outputs(run(ours), run([[1, 8]] + ours[1:]), args, score)  # the peer's far below
+    assert peer.passed and peer.peer_rounding == 1
     no_ids = serve.compare_outputs(run(ours), run([None] * count), args, score)
     assert not no_ids.passed and len(no_ids.missing) == count  # text alone is never compared
 
