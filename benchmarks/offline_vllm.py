@@ -49,8 +49,10 @@ def worker(spec: dict) -> dict:
 
         from engine import LLM, SamplingParams
         torch.set_num_threads(spec["threads"])
+        # float32 is judged by identical ids: the exact weights, not a GGUF's int8 default (serve.FLOAT32_EXACT).
+        exact = {"quantized_activations": "none"} if spec["dtype"] == "float32" else {}
         llm = LLM(spec["model"], max_model_len=1024, num_threads=spec["threads"], dtype=spec["dtype"],
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, **exact)
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()

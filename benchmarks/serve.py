@@ -21,9 +21,11 @@ Both get --threads compute threads (kvsentry `--threads`, vLLM's OpenMP threads 
 cores 0..N-1); each row shows the CPU cores the server's processes used and how many of its
 threads were busy (>= half the level's wall time). Both servers run in --dtype, with prefix
 caching off. Both return the completions' token ids (vLLM's return_token_ids), and the two
-servers' greedy ids on the same checkpoint are judged by judge.py: identical in float32; in
-bfloat16 a divergence passes only as a near-tie, by kvsentry's float32 logprobs of the two tokens
-at its first position (judge.NEAR_TIE_LOGPROB). After the comparison the run writes its JSON
+servers' greedy ids on the same checkpoint are judged by judge.py: identical in float32 (where
+kvsentry serves its exact path, --quantized-activations none: a GGUF's int8 default cannot be
+identical); in bfloat16 a divergence passes as a near-tie, by kvsentry's exact float32 logprobs
+of the two tokens at its first position (judge.NEAR_TIE_LOGPROB), or as the peer's rounding
+where those rank kvsentry's token higher. After the comparison the run writes its JSON
 (rows, ratios, the verdict's counts and every divergence) into benchmarks/results/, named by
 date, machine kind and commit, and exits 1 when the verdict fails or a request failed.
 
@@ -309,6 +311,9 @@ def compare_outputs(ours: list[RunResult], theirs: list[RunResult], args: argpar
     return judge("greedy token ids", args.dtype, a, b, prompts, ("kvsentry", "vLLM"), labels, score)
 
 
+FLOAT32_EXACT = ["--quantized-activations", "none"]  # kvsentry's exact path, for the float32 gate
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="base URL of a running OpenAI-compatible server (no /v1)")
@@ -343,6 +348,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give --url, --start-kvsentry or --start-vllm")
     args.kvsentry_threads = args.kvsentry_threads or args.threads
     args.vllm_threads = args.vllm_threads or args.threads
+    if args.dtype == "float32":
+        # float32 is judged by identical ids, which a GGUF's default (int8 activations on a VNNI
+        # CPU, in float32 too) cannot give: the exact weights, unless --kvsentry-args says otherwise
+        # (it comes after, and wins).
+        args.kvsentry_args = " ".join([*FLOAT32_EXACT, args.kvsentry_args]).strip()
     return args
 
 

@@ -228,6 +228,11 @@ def test_serve_levels_have_fresh_prompts_that_every_server_shares(bench_modules)
     assert len(set(firsts)) == len(firsts)  # no level repeats another's prompt
     assert (args.kvsentry_threads, args.vllm_threads) == (1, 1)  # one compute thread each by default
     assert args.dtype == "float32" and serve.parse_args(["--url", "x", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    # float32's identical-ids gate runs kvsentry's exact path; bf16 its default; a flag given wins (it comes last).
+    assert args.kvsentry_args == "--quantized-activations none"
+    assert serve.parse_args(["--url", "x", "--dtype", "bfloat16"]).kvsentry_args == ""
+    given = serve.parse_args(["--url", "x", "--kvsentry-args", "--quantized-activations int8"]).kvsentry_args
+    assert given.split()[-2:] == ["--quantized-activations", "int8"]
 
 
 def test_serve_judges_token_ids_and_a_server_without_them_fails(bench_modules):
