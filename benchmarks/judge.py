@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 # shift measured: a divergence with a float32 gap of 0.5 or more is not rounding.
 NEAR_TIE_LOGPROB = 0.5
 
-# The float32 reference every bf16 divergence is judged by: the exact dequantized weights. A GGUF's
-# default (`auto`) on a CPU with VNNI multiplies int8 activations, in float32 too; the reference
-# must not, or it is one more rounding of its own (it was, from 2541d5b to this change).
+# The float32 reference every bf16 divergence is judged by, and what float32 runs serve: the exact
+# dequantized weights. A GGUF's default (`auto`) on a CPU with VNNI multiplies int8 activations, in
+# float32 too: a reference that did would judge by a rounding of its own.
 EXACT_FLOAT32 = {"dtype": "float32", "quantized_activations": "none"}
 
 # (context token ids, candidate token id) -> the candidate's float32 logprob after the context.

@@ -49,10 +49,10 @@ def worker(spec: dict) -> dict:
 
         from engine import LLM, SamplingParams
         torch.set_num_threads(spec["threads"])
-        # float32 is judged by identical ids: the exact weights, not a GGUF's int8 default (serve.FLOAT32_EXACT).
-        exact = {"quantized_activations": "none"} if spec["dtype"] == "float32" else {}
-        llm = LLM(spec["model"], max_model_len=1024, num_threads=spec["threads"], dtype=spec["dtype"],
-                  enable_prefix_caching=False, **exact)
+        from judge import EXACT_FLOAT32  # float32 is judged by identical ids: the exact weights
+        engine_args = EXACT_FLOAT32 if spec["dtype"] == "float32" else {"dtype": spec["dtype"]}
+        llm = LLM(spec["model"], max_model_len=1024, num_threads=spec["threads"], enable_prefix_caching=False,
+                  **engine_args)
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()

@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 
 from common import DTYPES, prompt_token_range
-from judge import Float32Scorer, Verdict, judge
+from judge import EXACT_FLOAT32, Float32Scorer, Verdict, judge
 from results import provenance, write_result
 from servers import ROOT, KvsentryServer, VllmServer, kvsentry_model, peer_version, resolve_model, thread_cpu_seconds
 
@@ -311,7 +311,7 @@ def compare_outputs(ours: list[RunResult], theirs: list[RunResult], args: argpar
     return judge("greedy token ids", args.dtype, a, b, prompts, ("kvsentry", "vLLM"), labels, score)
 
 
-FLOAT32_EXACT = ["--quantized-activations", "none"]  # kvsentry's exact path, for the float32 gate
+FLOAT32_EXACT = ["--quantized-activations", EXACT_FLOAT32["quantized_activations"]]  # for the float32 gate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
