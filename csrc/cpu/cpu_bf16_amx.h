@@ -3,6 +3,7 @@
 // walk a panel, and the rows layout's entry point.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX512F__)
@@ -54,6 +55,18 @@ __attribute__((target("amx-tile"), always_inline)) inline void configure(kvsentr
   }
 }
 #endif
+
+// The C tiles' float32 room for a call of m rows: kAmxRowChunk rows of them at most, 64 outputs
+// ([16][64] for the panel layout, [64][16] for the rows layout) per tile of kTileRows rows. Every
+// float is written (a tile stored from zero on the first pass) before it is read, so the buffer is
+// this thread's, kept across calls and never zeroed.
+inline float* accumulators(int64_t m) {
+  thread_local kvsentry_amx::TileBuffer<float> buffer;
+  const int64_t tiles = (std::min(m, kAmxRowChunk) + kTileRows - 1) / kTileRows;
+  const size_t floats = static_cast<size_t>(tiles * kTileRows * kvsentry_panels::kPanel);
+  if (buffer.size() < floats) buffer.resize(floats);
+  return buffer.data();
+}
 
 // Where the later passes over a chunk of blocks b0..b1 prefetch the next chunk into L2 from (it
 // lies right after, panels being contiguous: `stream` a panel's first byte, `bytes` a block's),

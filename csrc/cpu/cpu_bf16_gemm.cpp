@@ -203,7 +203,6 @@ constexpr WidenTileFn kWidenTiles[kRows + 1] = {nullptr,       tile_widen<1>, ti
 
 // Tiles 0-3 are C (rows x 16 float32), 4 is A (rows x 32 bf16 of x), 5-7 are B (16 pairs x
 // 16 outputs x 2 bf16), three of them so that loads run ahead of the products.
-using kvsentry_amx::TileBuffer;
 using kvsentry_amx::TileConfig;
 TileConfig tile_config(int64_t rows) { return TileConfig({rows, rows, rows, rows, rows, kDepth, kDepth, kDepth}); }
 
@@ -276,9 +275,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels(int64_t begin, int6
                                                              int64_t xs, const uint16_t* wp, int64_t pairs,
                                                              const float* bp, uint16_t* yp, int64_t m,
                                                              int64_t n, const kvsentry_quant::Panels* quant) {
-  const int64_t chunk_rows = std::min(m, kAmxRowChunk);
-  TileBuffer<float> acc_rows(static_cast<size_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows * kPanel));
-  float* acc = acc_rows.data();
+  float* acc = kvsentry_bf16_amx::accumulators(m);
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
   alignas(64) uint16_t dequantized[kChunkBlocks * kBlockBytes / 2];
   // Bytes per block of what streams from memory: the panel's, or its GGUF blocks'.

@@ -32,7 +32,6 @@ namespace kvsentry_bf16_amx {
 #if defined(__AVX512F__)
 namespace {
 
-using kvsentry_amx::TileBuffer;
 using kvsentry_amx::TileConfig;
 using kvsentry_panels::kPanel;
 using kvsentry_panels::output_chunk;
@@ -150,6 +149,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vbmi,avx512bf16,
   store_accumulators(acc, acc_step, acc_stride);
 }
 
+// A tile of one row keeps its accumulators compact: [64] float32, its outputs in order.
+inline bool compact(int64_t rows) { return rows == 1; }
+
 // y[r, 0:width] = bf16(C^T[0:width, r] + bias) for `rows` rows of one tile's acc ([64][16],
 // 16 outputs at a time transposed in registers; [64] for one row, amx_rows_pass' compact).
 __attribute__((target("avx512f,avx512bf16"))) void amx_rows_store(const float* acc, int64_t rows,
@@ -159,7 +161,7 @@ __attribute__((target("avx512f,avx512bf16"))) void amx_rows_store(const float* a
     __mmask16 mask;
     __m512 bj;
     if (!output_chunk(j, width, bias, mask, bj)) break;
-    if (rows == 1) {  // compact: nothing to transpose
+    if (compact(rows)) {  // nothing to transpose
       const __m512 out = _mm512_add_ps(_mm512_load_ps(acc + 16 * j), bj);
       _mm256_mask_storeu_epi16(y + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(out));
       continue;
@@ -181,13 +183,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
                                                                   int64_t pairs, const float* bp, uint16_t* yp,
                                                                   int64_t m, int64_t n,
                                                                   const kvsentry_quant::Panels& quant) {
-  const int64_t chunk_rows = std::min(m, kAmxRowChunk), tiles = (chunk_rows + kTileRows - 1) / kTileRows;
-  // Each tile's accumulators are zeroed in the tiles (the first pass) before they are read: a
-  // buffer of this thread's, kept, not one zeroed per call.
-  thread_local TileBuffer<float> acc_rows;
-  const size_t acc_floats = static_cast<size_t>(tiles * kvsentry_quant::kOutputs * kTileRows);
-  if (acc_rows.size() < acc_floats) acc_rows.resize(acc_floats);
-  float* acc = acc_rows.data();
+  float* acc = accumulators(m);
   const int64_t blocks = pairs / kDepth, chunk = m <= kTileRows ? blocks : kChunkBlocks;
   alignas(64) uint16_t dequantized[kChunkBlocks * kRowsBlockHalves];  // written before read: no zeroing
   const int64_t stream_block = kvsentry_quant::kRowsBlockBytes;
@@ -210,7 +206,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panels_rows(int64_t begin,
           const char* pass_ahead = r > r0 ? ahead : nullptr;  // the first pass streams this chunk
           const char* xt_tile = reinterpret_cast<const char*>(xt + r / kTileRows * pairs * kTileRows);
           // The first pass looks the chunk's blocks up (into L1) as it goes, for the others.
-          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0, tile_acc(r), rows == 1, pass_ahead,
+          amx_rows_pass(xt_tile, xt_stride(rows), dequantized, b0, b1, b0 == 0, tile_acc(r), compact(rows), pass_ahead,
                         ahead_lines, r == r0 ? stream + b0 * stream_block : nullptr, later == 0);
           if (pass_ahead != nullptr) ahead = pass_ahead;
         }
